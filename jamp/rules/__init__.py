@@ -1,0 +1,36 @@
+"""The rule table: primitive name -> rule for higher-order primitives, category -> rule otherwise."""
+
+from __future__ import annotations
+
+from jamp import _jax_compat as jc
+from jamp import oplists
+from jamp.regions import EFFECTIVE_RULE
+from jamp.rules import calls, control_flow, custom_ad, leaf, shard_map
+
+HIGHER_ORDER_RULES = {
+    jc.JIT: calls.jit,
+    jc.REMAT: calls.remat,
+    jc.SCAN: control_flow.scan,
+    jc.WHILE: control_flow.while_loop,
+    jc.COND: control_flow.cond,
+    jc.CUSTOM_JVP: custom_ad.custom_jvp,
+    jc.CUSTOM_VJP: custom_ad.custom_vjp,
+    jc.SHARD_MAP: shard_map.shard_map,
+}
+
+LEAF_RULES = {
+    oplists.LOWER: leaf.lower,
+    oplists.FLOAT32: leaf.float32,
+    oplists.PROMOTE: leaf.promote,
+    oplists.PASSTHROUGH: leaf.passthrough,
+    oplists.DEFAULT: leaf.default,
+}
+
+
+def select_rule(eqn, ctx):
+    """(rule, effective leaf category) for an equation in a resolved context."""
+    name = eqn.primitive.name
+    if name in HIGHER_ORDER_RULES:
+        return HIGHER_ORDER_RULES[name], name
+    effective = EFFECTIVE_RULE[ctx.mode][ctx.policy.category(name)]
+    return LEAF_RULES[effective], effective

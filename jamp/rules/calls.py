@@ -1,0 +1,34 @@
+"""jit and remat: dtype-propagating. Their bodies are re-traced with the dtypes that arrive, so
+low-precision activations flow through nested jits and checkpointed blocks without boundary casts;
+arity is unchanged, so shardings, donation and remat policies stay valid."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jamp import _jax_compat as jc
+from jamp import oplists
+from jamp.interpreter import Call, avals_of, retrace, retrace_open
+from jamp.policy import OFF, Policy
+from jamp.regions import F32
+
+
+@jc.weakref_lru_cache
+def _holds_linalg(jaxpr: jc.Jaxpr, policy: Policy) -> bool:
+    return any(policy.category(e.primitive.name) == oplists.LINALG for e in jaxpr.eqns)
+
+
+def jit(call: Call):
+    closed = call.params[jc.JIT_JAXPR]
+    ctx = call.body_ctx(call.params[jc.JIT_NAME])
+    if ctx.mode != OFF and _holds_linalg(closed.jaxpr, ctx.policy):
+        # jnp.linalg.solve/inv/pinv/...: the decomposition and the matmuls around it stay float32.
+        ctx = dataclasses.replace(ctx, mode=F32)
+    new = retrace(closed, avals_of(call.invals), ctx, None)
+    return call.bind(**{jc.JIT_JAXPR: new})
+
+
+def remat(call: Call):
+    new = retrace_open(call.params[jc.REMAT_JAXPR], avals_of(call.invals), call.body_ctx())
+    body = jc.convert_constvars_jaxpr(new.jaxpr) if new.consts else new.jaxpr
+    return call.bind([*new.consts, *call.invals], **{jc.REMAT_JAXPR: body})

@@ -1,0 +1,88 @@
+"""custom_jvp and custom_vjp.
+
+custom_jvp (jax.nn.relu, silu, ...) propagates dtypes: the primal body and the lazily built JVP
+jaxpr are both re-traced with the dtypes that arrive, so activations stay in low precision and the
+user's rule is still the one that differentiates.
+
+custom_vjp preserves its boundary: the primal and fwd bodies see the recorded dtypes and return
+them, so the residuals the Python bwd rule receives have the types it was written for; the bwd
+rule itself runs through the interpreter and its outputs are cast back to the dtypes the original
+bwd produces (JAX does not check them, and a bf16 cotangent would leak into jax.grad).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jamp import _jax_compat as jc
+from jamp.interpreter import Call, _cast_outputs, avals_of, evaluate, retrace
+
+
+def _memoized_thunk(original, build):
+    memo: dict = {}
+
+    def thunk(*flags):
+        if flags not in memo:
+            memo[flags] = build(*flags)
+        return memo[flags]
+
+    return jc.wrap_init(thunk, debug_info=original.debug_info)
+
+
+def custom_jvp(call: Call):
+    p = call.params
+    ctx = call.body_ctx()
+    in_avals = avals_of(call.invals)
+    new_call = retrace(p[jc.CALL_JAXPR], in_avals, ctx, None)
+    out_dtypes = tuple(a.dtype for a in new_call.out_avals)
+    primal_avals = in_avals[p[jc.NUM_CONSTS]:]
+    original = p[jc.JVP_THUNK]
+
+    def build(*zeros):
+        jaxpr, consts, out_zeros = original.call_wrapped(*zeros)
+        tangent_avals = [a.to_tangent_aval() for a, z in zip(primal_avals, zeros) if not z]
+        tangent_dtypes = [d for d, z in zip(out_dtypes, out_zeros) if not z]
+        new = retrace(jc.ClosedJaxpr(jaxpr, consts), (*primal_avals, *tangent_avals), ctx,
+                      (*out_dtypes, *tangent_dtypes))
+        return new.jaxpr, new.consts, out_zeros
+
+    params = {**p, jc.CALL_JAXPR: new_call, jc.JVP_THUNK: _memoized_thunk(original, build)}
+    return call.eqn.primitive.bind(*call.invals, **call.eqn.primitive.get_bind_params(params))
+
+
+def _preserving(closed, ctx):
+    return retrace(closed, tuple(closed.in_avals), ctx, tuple(a.dtype for a in closed.out_avals))
+
+
+def _autocast_bwd(original, ctx):
+    def bwd(*args):
+        zeros: list = []
+
+        def nonzero_outputs(*a):
+            outs = original.call_wrapped(*a)
+            zeros[:] = [o if jc.is_symbolic_zero(o) else None for o in outs]
+            return [o for o in outs if not jc.is_symbolic_zero(o)]
+
+        closed = jax.make_jaxpr(nonzero_outputs)(*avals_of(args))
+        vals = iter(_cast_outputs(evaluate(closed.jaxpr, closed.consts, args, ctx),
+                                  [a.dtype for a in closed.out_avals]))
+        return [z if z is not None else next(vals) for z in zeros]
+
+    return jc.wrap_init(bwd, debug_info=original.debug_info)
+
+
+def custom_vjp(call: Call):
+    p = call.params
+    ctx = call.body_ctx()
+    fwd_original = p[jc.FWD_THUNK]
+
+    def build_fwd(*nonzeros):
+        jaxpr, consts = fwd_original.call_wrapped(*nonzeros)
+        new = _preserving(jc.ClosedJaxpr(jaxpr, consts), ctx)
+        return new.jaxpr, new.consts
+
+    params = {**p, jc.CALL_JAXPR: _preserving(p[jc.CALL_JAXPR], ctx),
+              jc.FWD_THUNK: _memoized_thunk(fwd_original, build_fwd),
+              jc.BWD: _autocast_bwd(p[jc.BWD], ctx)}
+    prim = call.eqn.primitive
+    return prim.bind(*call.cast_to_recorded(), **prim.get_bind_params(params))

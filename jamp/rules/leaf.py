@@ -1,0 +1,84 @@
+"""Rules for first-order primitives, one per category (see jamp.oplists)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jamp.dtypes import FLOAT32, is_eligible, is_low, widest
+from jamp.interpreter import MATMUL_LIKE, Call, is_float
+
+
+def _set_preferred(call: Call, dtype) -> dict:
+    """Matmul-likes: the output dtype is ``preferred_element_type``; jnp sets it to float32."""
+    if call.eqn.primitive.name not in MATMUL_LIKE or "preferred_element_type" not in call.params:
+        return {}
+    pref = call.params["preferred_element_type"]
+    if pref is not None and not np.issubdtype(pref, np.floating):
+        return {}
+    return {"preferred_element_type": dtype}
+
+
+def _all_floats_eligible(call: Call) -> bool:
+    return all(is_eligible(x.dtype) for x in call.invals if is_float(x))
+
+
+def lower(call: Call):
+    """Cast floating inputs to the compute dtype; matmuls also emit it."""
+    dtype = call.ctx.compute_dtype
+    if not _all_floats_eligible(call) or (call.eqn.primitive.name in MATMUL_LIKE
+                                          and not all(is_float(x) for x in call.invals)):
+        return default(call)
+    invals = [call.env.cast(x, dtype) if is_float(x) else x for x in call.invals]
+    return call.bind(invals, **_set_preferred(call, dtype))
+
+
+def float32(call: Call):
+    """Cast float16/bfloat16 inputs up to float32; matmuls emit float32 instead of a low dtype."""
+    invals = [call.env.cast(x, FLOAT32) if is_float(x) and is_low(x.dtype) else x for x in call.invals]
+    pref = call.params.get("preferred_element_type")
+    updates = _set_preferred(call, FLOAT32) if pref is None or is_low(pref) else {}
+    return call.bind(invals, **updates)
+
+
+def _is_array_operand(call: Call, i: int) -> bool:
+    """Scalar literals and rank-0 operands do not promote an array (``x_bf16 * 2.0`` stays bf16)."""
+    return call.eqn.invars[i].aval.ndim > 0 and np.ndim(call.invals[i]) > 0
+
+
+def _bias_target(call: Call, float_idx: list[int]):
+    """torch's ``linear`` (matmul + bias) yields the compute dtype: a smaller operand broadcast onto
+    a matmul output is cast to the matmul's dtype rather than promoting it to float32."""
+    if call.eqn.primitive.name != "add" or len(float_idx) != 2:
+        return None
+    a, b = float_idx
+    for mm, other in ((a, b), (b, a)):
+        mm_var, other_var = call.eqn.invars[mm], call.eqn.invars[other]
+        if (mm_var in call.env.lowered and call.invals[mm].dtype == call.ctx.compute_dtype
+                and not hasattr(other_var, "val") and is_eligible(call.invals[other].dtype)
+                and call.env.size_before_broadcast(other_var) < np.size(call.invals[mm])):
+            return call.ctx.compute_dtype
+    return None
+
+
+def promote(call: Call):
+    """Cast floating inputs to the widest one (array operands only, when there are any)."""
+    float_idx = [i for i, x in enumerate(call.invals) if is_float(x)]
+    if not float_idx:
+        return call.bind()
+    array_idx = [i for i in float_idx if _is_array_operand(call, i)] or float_idx
+    target = _bias_target(call, float_idx) or widest(call.invals[i].dtype for i in array_idx)
+    invals = [call.env.cast(x, target) if i in float_idx and is_eligible(x.dtype) else x
+              for i, x in enumerate(call.invals)]
+    if len({invals[i].dtype for i in float_idx}) > 1:
+        return default(call)
+    return call.bind(invals)
+
+
+def passthrough(call: Call):
+    """Run in whatever dtype arrives."""
+    return call.bind()
+
+
+def default(call: Call):
+    """Unknown to jamp: give the primitive exactly the input dtypes it was traced with."""
+    return call.bind(call.cast_to_recorded())

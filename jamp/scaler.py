@@ -1,0 +1,152 @@
+"""``jamp.scaler``: torch's ``GradScaler`` as an optax transformation that wraps the optimizer it guards.
+
+It wraps rather than chains because a skipped step must leave the optimizer's state untouched: an
+element placed first in ``optax.chain`` can zero the updates but cannot stop the later elements from
+advancing their counts and moments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jamp_kernels
+from jamp import scaler_rule, scaler_state
+from jamp.scaler_state import DisabledScalerState, ScalerState
+
+_BACKENDS = ("auto", "xla", "pallas", "interpret")
+
+
+def _flag_first(grads, inv_scale, backend):
+    """XLA path: flag from the scaled grads, unscale inside the step branch so it fuses into ``inner``.
+
+    Unscaling before the ``cond`` would materialize a copy of every gradient (3x a bare Adam step on CPU).
+    """
+    return jamp_kernels.has_nonfinite(grads), grads, lambda g: jamp_kernels.unscale(g, inv_scale)
+
+
+def _fused(grads, inv_scale, backend):
+    """Kernel path: one pass unscales and checks; the step branch takes the unscaled grads as they are."""
+    unscaled, found_inf = jamp_kernels.unscale_and_check(grads, inv_scale, backend=backend)
+    return found_inf, unscaled, lambda g: g
+
+
+def _path(backend: str) -> Callable:
+    """backend -> how update() unscales and checks. "auto" is resolved when update() is traced."""
+    if backend == "auto":
+        return _fused if jax.default_backend() == "gpu" else _flag_first
+    return _flag_first if backend == "xla" else _fused
+
+
+def _combine(found_inf: jax.Array, axis_name: Hashable | None) -> jax.Array:
+    """Every replica along ``axis_name`` takes the same decision (torch's ShardedGradScaler all-reduce)."""
+    if axis_name is None:
+        return found_inf
+    return jax.lax.psum(found_inf.astype(jnp.int32), axis_name) > 0
+
+
+def _check_inner(inner: tuple) -> optax.GradientTransformationExtraArgs:
+    if not inner:
+        raise TypeError(
+            "jamp.scaler() needs the optimizer it guards: write jamp.scaler(optax.adam(1e-3)) or "
+            "jamp.scaler(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), not "
+            "optax.chain(jamp.scaler(), ...): a scaler placed first in a chain could zero the updates of an "
+            "overflowing step but not stop the later transformations from updating their state"
+        )
+    for i, tx in enumerate(inner):
+        if not isinstance(tx, optax.GradientTransformation):
+            raise TypeError(
+                f"jamp.scaler's argument {i} must be an optax.GradientTransformation, got {type(tx).__name__}"
+            )
+    return optax.with_extra_args_support(inner[0] if len(inner) == 1 else optax.chain(*inner))
+
+
+def scaler(
+    inner: optax.GradientTransformation | None = None,
+    *more: optax.GradientTransformation,
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    enabled: bool = True,
+    axis_name: Hashable | None = None,
+    backend: str = "auto",
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Dynamic loss scaling around ``inner`` (several transformations are chained), as torch's GradScaler.
+
+    ``update(scaled_grads, state, params, **extra)`` unscales by ``float32(1/scale)`` in float32 (float64
+    leaves in float64), looks for inf/NaN in the scaled grads (combined over ``axis_name`` when given),
+    then either applies ``inner`` or returns zero updates with ``inner``'s state bit-identical, and moves
+    the scale by torch's ``_amp_update_scale_`` rule (:mod:`jamp.scaler_rule`). Produce the scaled grads
+    with ``jamp.scale(loss, opt_state)`` or ``jamp.value_and_grad``.
+
+    ``backend``: "xla" (check first, unscale fused into ``inner``), "pallas"/"interpret" (the fused
+    ``jamp_kernels.unscale_and_check``), "auto" (the kernel when the default backend is a GPU, else xla).
+    ``min_scale``/``max_scale`` are extras beyond torch, off by default. ``enabled=False`` applies ``inner``
+    on every step, validates nothing but ``inner``, and makes ``jamp.scale`` the identity.
+
+    Unlike torch, where several optimizers share one GradScaler and each skips on its own overflow, one
+    jamp.scaler takes one decision: wrap ``optax.multi_transform`` to skip all groups together, or give
+    each group its own scaler (then each has its own scale).
+    """
+    inner_tx = _check_inner(() if inner is None else (inner, *more))
+    if not enabled:
+        return _disabled(inner_tx)
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    hp = scaler_state.hyperparams(
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        min_scale=min_scale,
+        max_scale=max_scale,
+    )
+    scale0 = scaler_state.checked_init_scale(init_scale, hp)
+
+    def init(params: optax.Params) -> ScalerState:
+        return ScalerState(
+            scale=jnp.asarray(scale0),
+            growth_tracker=jnp.zeros((), jnp.int32),
+            **scaler_state.as_arrays(hp),
+            found_inf=jnp.zeros((), jnp.bool_),
+            inner_state=inner_tx.init(params),
+        )
+
+    def update(grads: optax.Updates, state: ScalerState, params: optax.Params | None = None, **extra: Any):
+        inv_scale = jnp.float32(1.0) / state.scale  # == float32(1 / float64(scale)): see tests/test_scaler.py
+        found_inf, operand, unscale = _path(backend)(grads, inv_scale, backend)
+        found_inf = _combine(jnp.asarray(found_inf, jnp.bool_), axis_name)
+
+        def step(g, inner_state):
+            return inner_tx.update(unscale(g), inner_state, params, **extra)
+
+        def skip(g, inner_state):
+            shapes = jax.eval_shape(step, g, inner_state)[0]
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state
+
+        updates, inner_state = jax.lax.cond(found_inf, skip, step, operand, state.inner_state)
+        scale, tracker = scaler_rule.next_scale(state, found_inf)
+        return updates, state._replace(
+            scale=scale, growth_tracker=tracker, found_inf=found_inf, inner_state=inner_state
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _disabled(inner_tx: optax.GradientTransformationExtraArgs) -> optax.GradientTransformationExtraArgs:
+    """torch's disabled GradScaler: ``step`` is ``optimizer.step``, nothing else happens."""
+
+    def init(params):
+        return DisabledScalerState(inner_tx.init(params))
+
+    def update(grads, state, params=None, **extra):
+        updates, inner_state = inner_tx.update(grads, state.inner_state, params, **extra)
+        return updates, DisabledScalerState(inner_state)
+
+    return optax.GradientTransformationExtraArgs(init, update)

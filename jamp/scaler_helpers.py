@@ -1,0 +1,83 @@
+"""Pure functions on an optimizer state that holds a :func:`jamp.scaler` state anywhere inside it.
+
+They replace torch GradScaler's methods: the scale lives in the opt_state, so a training step reads it
+from there (``jamp.scale(loss, opt_state)``) and gets a new opt_state back instead of mutating a scaler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jamp import scaler_state
+from jamp.scaler_state import DisabledScalerState
+
+
+def _scale_leaf(x: Any, scale: jax.Array) -> jax.Array:
+    """torch's ``outputs * _scale`` with ``_scale`` a 0-dim float32 tensor.
+
+    A 0-dim loss promotes (bf16/f16 -> f32, so neither the scale nor the scaled loss ever lives in half
+    precision: mpx's bug); a floating array with dimensions keeps its dtype, computed in float32 and
+    rounded once, as torch does.
+    """
+    x = jnp.asarray(x)
+    out = x * scale
+    return out.astype(x.dtype) if x.ndim and jnp.issubdtype(x.dtype, jnp.floating) else out
+
+
+def scale(loss_or_tree: Any, opt_state: Any) -> Any:
+    """The loss (or every leaf of a pytree of outputs) times the current scale; the identity when disabled."""
+    st = scaler_state.find(opt_state)
+    if isinstance(st, DisabledScalerState):
+        return loss_or_tree
+    return jax.tree.map(lambda x: _scale_leaf(x, st.scale), loss_or_tree)
+
+
+def get_scale(opt_state: Any) -> jax.Array:
+    """The current scale as a float32 array (1.0 when disabled); ``float(...)`` it for torch's Python float."""
+    st = scaler_state.find(opt_state)
+    return jnp.ones((), jnp.float32) if isinstance(st, DisabledScalerState) else st.scale
+
+
+def found_inf(opt_state: Any) -> jax.Array:
+    """True when the last update saw inf/NaN and skipped ``inner`` (always False when disabled)."""
+    st = scaler_state.find(opt_state)
+    return jnp.zeros((), jnp.bool_) if isinstance(st, DisabledScalerState) else st.found_inf
+
+
+def set_scale(opt_state: Any, new_scale: Any) -> Any:
+    """torch's ``update(new_scale)``: the scale becomes ``float32(new_scale)``, the tracker is untouched.
+
+    Like torch, the value is not validated; it may be a traced scalar. A no-op when disabled.
+    """
+    st = scaler_state.find(opt_state)
+    if isinstance(st, DisabledScalerState):
+        return opt_state
+    return scaler_state.replace(opt_state, st._replace(scale=jnp.reshape(jnp.asarray(new_scale, jnp.float32), ())))
+
+
+def value_and_grad(
+    fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable[..., tuple[Any, Any]]:
+    """``jax.value_and_grad`` of the scaled loss, returning the unscaled loss.
+
+    ``jamp.value_and_grad(loss_fn, argnums, has_aux)(opt_state, *args, **kwargs)`` returns
+    ``(loss, scaled_grads)`` (``((loss, aux), scaled_grads)`` with ``has_aux``): ``loss`` is what
+    ``loss_fn(*args, **kwargs)`` returned, in its own dtype, and ``scaled_grads`` are the gradients of
+    ``jamp.scale(loss, opt_state)`` with respect to ``args[argnums]``, ready for the scaler's ``update``.
+    ``argnums`` counts ``args`` only; ``opt_state`` is never differentiated.
+    """
+
+    def grads_of(opt_state: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        def scaled(*a: Any, **k: Any):
+            out = fun(*a, **k)
+            loss = out[0] if has_aux else out
+            return scale(loss, opt_state), out
+
+        (_, out), grads = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)(*args, **kwargs)
+        return out, grads
+
+    return grads_of

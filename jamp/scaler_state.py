@@ -1,0 +1,134 @@
+"""The scaler's state: a pytree of arrays, its validated hyperparameters, and where it sits in an opt_state.
+
+Every number lives in the state as an array, so changing a hyperparameter (``load_state_dict``) recompiles
+nothing and ``jit``, ``tree_map`` and orbax carry all of it (jmp lost ``min_loss_scale`` that way). Arrays
+are made only by ``init``, never at import time (mpx broke ``jax.distributed.initialize`` that way).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jamp import exact_mul
+
+_INT32_MAX = 2**31 - 1
+
+
+class ScalerState(NamedTuple):
+    """State of an enabled :func:`jamp.scaler` (torch ``GradScaler``'s ``_scale``/``_growth_tracker`` and config).
+
+    ``growth_factor`` and ``backoff_factor`` are the IEEE-754 doubles of the Python floats as ``uint32[2]``
+    (high word, low word): torch multiplies the scale by them in double precision, and JAX without x64 has
+    no double. ``jamp.state_dict`` shows them as floats.
+    """
+
+    scale: jax.Array  # f32[]: the scale the next loss is multiplied by
+    growth_tracker: jax.Array  # i32[]: clean steps since the last growth or backoff
+    growth_factor: jax.Array  # u32[2]: double bits
+    backoff_factor: jax.Array  # u32[2]: double bits
+    growth_interval: jax.Array  # i32[]
+    min_scale: jax.Array  # f32[]: backoff never goes below (0: no floor, as torch)
+    max_scale: jax.Array  # f32[]: growth never goes above (inf: no ceiling, as torch)
+    found_inf: jax.Array  # bool[]: the last update saw inf/NaN and was skipped
+    inner_state: optax.OptState
+
+
+class DisabledScalerState(NamedTuple):
+    """State of ``jamp.scaler(..., enabled=False)``: only the inner state; scale() is the identity."""
+
+    inner_state: optax.OptState
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
+    return float(value)
+
+
+def _f32(value: float) -> float:
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
+
+
+# name -> (test on the float value, what is allowed): the constructor's and load_state_dict's checks.
+_FLOAT_RULES = {
+    "init_scale": (lambda v: math.isfinite(_f32(v)) and _f32(v) > 0, "a finite float > 0 (in float32)"),
+    "growth_factor": (lambda v: math.isfinite(v) and v > 1.0, "a finite float > 1.0"),
+    "backoff_factor": (lambda v: 0.0 < v < 1.0, "a float in (0, 1)"),
+    "min_scale": (lambda v: math.isfinite(_f32(v)) and _f32(v) > 0, "None or a finite float > 0 (in float32)"),
+    "max_scale": (lambda v: math.isfinite(_f32(v)) and _f32(v) > 0, "None or a finite float > 0 (in float32)"),
+}
+
+
+def _checked_float(name: str, value: Any) -> float:
+    v = _real(name, value)
+    ok, allowed = _FLOAT_RULES[name]
+    if not ok(v):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return v
+
+
+def checked_int(name: str, value: Any, low: int) -> int:
+    """``value`` as an int in ``[low, 2**31 - 1]`` (it is stored as int32), else TypeError/ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {low}, got {value!r} of type {type(value).__name__}")
+    if not low <= int(value) <= _INT32_MAX:
+        raise ValueError(f"{name} must be an int in [{low}, {_INT32_MAX}], got {value!r}")
+    return int(value)
+
+
+def hyperparams(*, growth_factor, backoff_factor, growth_interval, min_scale=None, max_scale=None) -> dict:
+    """Validated hyperparameters as the numpy values of their ScalerState fields."""
+    lo = 0.0 if min_scale is None else _checked_float("min_scale", min_scale)
+    hi = math.inf if max_scale is None else _checked_float("max_scale", max_scale)
+    if lo > hi:
+        raise ValueError(f"min_scale must be <= max_scale, got min_scale={min_scale!r} > max_scale={max_scale!r}")
+    return {
+        "growth_factor": exact_mul.to_words(_checked_float("growth_factor", growth_factor)),
+        "backoff_factor": exact_mul.to_words(_checked_float("backoff_factor", backoff_factor)),
+        "growth_interval": np.int32(checked_int("growth_interval", growth_interval, 1)),
+        "min_scale": np.float32(lo),
+        "max_scale": np.float32(hi),
+    }
+
+
+def checked_init_scale(init_scale: Any, hp: dict) -> np.float32:
+    """``init_scale`` rounded to float32 (as torch's ``torch.full((), init_scale)``), inside [min, max]."""
+    s = np.float32(_checked_float("init_scale", init_scale))
+    if not hp["min_scale"] <= s <= hp["max_scale"]:
+        raise ValueError(f"init_scale must lie in [min_scale, max_scale], got {init_scale!r}")
+    return s
+
+
+def is_scaler_state(x: Any) -> bool:
+    return isinstance(x, (ScalerState, DisabledScalerState))
+
+
+def find(opt_state: Any) -> ScalerState | DisabledScalerState:
+    """The one scaler state inside ``opt_state`` (MultiSteps, inject_hyperparams, multi_transform, chain...)."""
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_scaler_state) if is_scaler_state(x)]
+    if len(found) != 1:
+        what = "no jamp.scaler state" if not found else f"{len(found)} jamp.scaler states"
+        raise ValueError(
+            f"expected exactly one jamp.scaler state in opt_state, found {what}; pass the optimizer state "
+            "returned by jamp.scaler(...).init/update, or the part of it that holds the scaler you mean"
+        )
+    return found[0]
+
+
+def replace(opt_state: Any, new: ScalerState | DisabledScalerState) -> Any:
+    """``opt_state`` with its scaler state (located as by :func:`find`) swapped for ``new``."""
+    find(opt_state)
+    return jax.tree.map(lambda x: new if is_scaler_state(x) else x, opt_state, is_leaf=is_scaler_state)
+
+
+def as_arrays(fields: dict) -> dict:
+    """numpy field values -> jax arrays (called from init/load, never at import)."""
+    return {k: jnp.asarray(v) for k, v in fields.items()}

@@ -1,0 +1,55 @@
+"""``unscale_and_check``: pick a backend, keep pass-through leaves out of the kernels, rebuild the tree."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jamp_kernels import _leaves, pallas_triton, sharding, xla
+
+BACKENDS = ("auto", "xla", "pallas", "interpret")
+
+
+def _xla(inv: jax.Array, *leaves: jax.Array) -> tuple[jax.Array, ...]:
+    return (*xla.unscale(list(leaves), inv), xla.has_nonfinite(list(leaves)))
+
+
+def _pallas(inv: jax.Array, *leaves: jax.Array, interpret: bool, donate: bool,
+            where: sharding.Placement | None) -> tuple[jax.Array, ...]:
+    kernel = functools.partial(pallas_triton.unscale_and_check, interpret=interpret, donate=donate)
+    outs, found = sharding.shard_local(kernel, inv, list(leaves), where)
+    return (*outs, found)
+
+
+def unscale_and_check(grads: Any, inv_scale: Any, *, backend: str = "auto",
+                      donate: bool = False) -> tuple[Any, jax.Array]:
+    """Return ``(unscaled_grads, found_inf)``, torch's ``_amp_foreach_non_finite_check_and_unscale_``.
+
+    Floating leaves are multiplied by ``inv_scale`` in float32 (float64 leaves in float64) and rounded
+    once; integer, bool and empty leaves pass through. ``found_inf`` is a scalar bool, True when any
+    *input* element is inf or NaN. ``backend``: "auto" (the Pallas kernel on CUDA, XLA elsewhere, chosen
+    when lowering), "xla", "pallas" (Triton), "interpret" (the Pallas kernel interpreted, for CPU tests).
+    ``donate=True`` lets the Pallas kernel write in place (see ``pallas_triton.unscale_and_check``).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    leaves, treedef = _leaves.flatten(grads)
+    inv = _leaves.inv_scale_scalar(inv_scale)
+    picked = [i for i, g in enumerate(leaves) if _leaves.is_scaled(g)]
+    if not picked:
+        return grads, jnp.zeros((), jnp.bool_)
+    work = [leaves[i] for i in picked]
+
+    pallas = functools.partial(_pallas, interpret=backend == "interpret", donate=donate,
+                               where=sharding.placement(work))
+    if backend == "auto":
+        *outs, found = lax.platform_dependent(inv, *work, cuda=pallas, default=_xla)
+    else:
+        *outs, found = (_xla if backend == "xla" else pallas)(inv, *work)
+    for i, out in zip(picked, outs):
+        leaves[i] = out
+    return jax.tree.unflatten(treedef, leaves), found
