@@ -80,7 +80,7 @@ class Autocast:
         self.static_argnums = tuple(sorted({static_argnums} if isinstance(static_argnums, int) else set(static_argnums)))
         self.static_argnames = tuple({static_argnames} if isinstance(static_argnames, str) else static_argnames)
         self._cache: collections.OrderedDict = collections.OrderedDict()
-        functools.update_wrapper(self, fun)
+        functools.update_wrapper(self, fun, updated=())
 
     @functools.cached_property
     def policy(self) -> Policy:

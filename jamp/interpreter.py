@@ -81,6 +81,9 @@ class Env:
     def size_before_broadcast(self, v: Any) -> int:
         return self.origin_size.get(v, int(np.prod(v.aval.shape)))
 
+    def is_lowered(self, v: Any) -> bool:
+        return isinstance(v, jc.Var) and v in self.lowered
+
 
 @dataclasses.dataclass
 class Call:

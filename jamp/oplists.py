@@ -66,9 +66,10 @@ OP_TABLE: tuple[OpRow, ...] = (
     _row("exp exp2 log log1p expm1", FLOAT32, PASSTHROUGH,
          "exp, log, log10, log2, log1p, expm1",
          "CUDA list: fp32; CPU list: not autocast (runs in the input dtype)"),
-    _row("pow integer_pow", FLOAT32, PASSTHROUGH,
-         "pow.Tensor_Scalar, pow.Tensor_Tensor, pow.Scalar, x ** 2",
-         "torch's x**2 is pow (fp32 on CUDA); jnp x**2 is integer_pow"),
+    _row("pow", FLOAT32, PROMOTE, "pow.Tensor_Tensor, pow.Scalar, x ** 1.5",
+         "CUDA: fp32; CPU: not autocast, but JAX's pow needs equal float dtypes"),
+    _row("integer_pow", FLOAT32, PASSTHROUGH, "pow.Tensor_Scalar, x ** 2",
+         "torch's x**2 is pow (fp32 on CUDA); jnp's x**2 is integer_pow"),
     _row("rsqrt acos asin cosh sinh tan erf_inv", FLOAT32, PASSTHROUGH,
          "rsqrt, acos, asin, cosh, sinh, tan, erfinv", "CUDA fp32 list; not listed on CPU"),
     _row("reduce_sum", FLOAT32, PASSTHROUGH,
@@ -77,7 +78,7 @@ OP_TABLE: tuple[OpRow, ...] = (
     _row("cumsum cumprod cumlogsumexp", FLOAT32, PASSTHROUGH, "cumsum, cumprod, logcumsumexp",
          "CUDA fp32_set_opt_dtype; CPU: not autocast"),
     _row("reduce_prod", FLOAT32, FLOAT32, "prod", "fp32 on both lists (CPU: plain fp32)"),
-    _row("lgamma digamma polygamma igamma igammac igamma_grad_a random_gamma_grad zeta "
+    _row("lgamma digamma polygamma igamma igammac igamma_grad_a zeta "
          "bessel_i0e bessel_i1e regularized_incomplete_beta", FLOAT32, FLOAT32,
          "(torch.special: not on the lists)",
          "numerically touchy special functions; XLA has no native low-precision kernels for them"),
@@ -106,7 +107,7 @@ OP_TABLE: tuple[OpRow, ...] = (
          "asinh acosh atanh erf erfc real imag conj", PASSTHROUGH, PASSTHROUGH,
          "relu, gelu, sigmoid, tanh, sqrt, abs, ... (not listed: run in the input dtype)",
          "elementwise ops without a list entry run in the input dtype, as in torch"),
-    _row("reshape broadcast_in_dim transpose squeeze slice dynamic_slice gather rev copy copy_p split "
+    _row("reshape broadcast_in_dim transpose squeeze slice dynamic_slice gather rev copy split "
          "tile", PASSTHROUGH, PASSTHROUGH,
          "view, reshape, permute, index_select, narrow, ...", "data movement is dtype-agnostic"),
     _row("reduce_max reduce_min argmax argmin cummax cummin sort top_k reduce_window_max "

@@ -100,13 +100,12 @@ def scaler(
         return _disabled(inner_tx)
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    hp = scaler_state.hyperparams(
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        min_scale=min_scale,
-        max_scale=max_scale,
-    )
+    hp = {
+        **scaler_state.torch_hyperparams(
+            growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval
+        ),
+        **scaler_state.bounds(min_scale, max_scale),
+    }
     scale0 = scaler_state.checked_init_scale(init_scale, hp)
 
     def init(params: optax.Params) -> ScalerState:

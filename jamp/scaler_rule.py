@@ -11,8 +11,9 @@ GROW: tracker + 1 == interval  min(scale * growth, max_scale),     0
 
 The products are ``float32(double(scale) * factor)`` as torch computes them (see :mod:`jamp.exact_mul`).
 ``==`` is exact: a tracker already past the interval (after ``load_state_dict``) counts on and never
-grows until a backoff resets it, as in torch. Selecting rows moves bits only, so float32 subnormal
-scales survive although XLA flushes subnormal arithmetic to zero.
+grows until a backoff resets it, as in torch. Comparisons and selections work on the float32 bits as
+integers: XLA flushes subnormals to zero in float compares and turns compare+select into max/min
+instructions, which would lose torch's subnormal scales.
 """
 
 from __future__ import annotations
@@ -26,14 +27,25 @@ from jamp.scaler_state import ScalerState
 BACKOFF, HOLD, GROW = 0, 1, 2
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
+
+
+def _key(b: jax.Array) -> jax.Array:
+    """An int32 ordered as the float32 with bits ``b`` (a positive NaN sorts above inf)."""
+    return jnp.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
 def next_scale(state: ScalerState, found_inf: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(scale, growth_tracker)`` after an update that saw ``found_inf``."""
-    scale, counted = state.scale, state.growth_tracker + 1
+    counted = state.growth_tracker + 1
     outcome = jnp.where(found_inf, BACKOFF, jnp.where(counted == state.growth_interval, GROW, HOLD))
-    backed = exact_mul.mul_f32_f64(scale, state.backoff_factor)
-    backed = jnp.where(backed < state.min_scale, state.min_scale, backed)
-    grown = exact_mul.mul_f32_f64(scale, state.growth_factor)
-    grown = jnp.where(jnp.isfinite(grown), grown, scale)
-    grown = jnp.where(grown > state.max_scale, state.max_scale, grown)
+    scale, lo, hi = _bits(state.scale), _bits(state.min_scale), _bits(state.max_scale)
+    backed = _bits(exact_mul.mul_f32_f64(state.scale, state.backoff_factor))
+    backed = jnp.where(_key(backed) < _key(lo), lo, backed)
+    grown = _bits(exact_mul.mul_f32_f64(state.scale, state.growth_factor))
+    finite = (grown & 0x7F800000) != 0x7F800000
+    grown = jnp.where(finite, jnp.where(_key(grown) > _key(hi), hi, grown), scale)
+    new_scale = jax.lax.bitcast_convert_type(jax.lax.select_n(outcome, backed, scale, grown), jnp.float32)
     zero = jnp.zeros_like(counted)
-    return jax.lax.select_n(outcome, backed, scale, grown), jax.lax.select_n(outcome, zero, counted, zero)
+    return new_scale, jax.lax.select_n(outcome, zero, counted, zero)

@@ -46,29 +46,31 @@ class DisabledScalerState(NamedTuple):
     inner_state: optax.OptState
 
 
-def _real(name: str, value: Any) -> float:
+def real(name: str, value: Any) -> float:
+    """``value`` as a Python float; TypeError naming ``name`` for bools and non-numbers."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
     return float(value)
 
 
-def _f32(value: float) -> float:
+def f32(value: float) -> np.float32:
+    """Round to float32 as torch's ``fill_`` does; too large becomes inf (no warning)."""
     with np.errstate(over="ignore"):
-        return float(np.float32(value))
+        return np.float32(value)
 
 
 # name -> (test on the float value, what is allowed): the constructor's and load_state_dict's checks.
 _FLOAT_RULES = {
-    "init_scale": (lambda v: math.isfinite(_f32(v)) and _f32(v) > 0, "a finite float > 0 (in float32)"),
+    "init_scale": (lambda v: math.isfinite(f32(v)) and f32(v) > 0, "a finite float > 0 (in float32)"),
     "growth_factor": (lambda v: math.isfinite(v) and v > 1.0, "a finite float > 1.0"),
     "backoff_factor": (lambda v: 0.0 < v < 1.0, "a float in (0, 1)"),
-    "min_scale": (lambda v: math.isfinite(_f32(v)) and _f32(v) > 0, "None or a finite float > 0 (in float32)"),
-    "max_scale": (lambda v: math.isfinite(_f32(v)) and _f32(v) > 0, "None or a finite float > 0 (in float32)"),
+    "min_scale": (lambda v: math.isfinite(f32(v)) and f32(v) > 0, "None or a finite float > 0 (in float32)"),
+    "max_scale": (lambda v: math.isfinite(f32(v)) and f32(v) > 0, "None or a finite float > 0 (in float32)"),
 }
 
 
 def _checked_float(name: str, value: Any) -> float:
-    v = _real(name, value)
+    v = real(name, value)
     ok, allowed = _FLOAT_RULES[name]
     if not ok(v):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
@@ -84,24 +86,27 @@ def checked_int(name: str, value: Any, low: int) -> int:
     return int(value)
 
 
-def hyperparams(*, growth_factor, backoff_factor, growth_interval, min_scale=None, max_scale=None) -> dict:
-    """Validated hyperparameters as the numpy values of their ScalerState fields."""
-    lo = 0.0 if min_scale is None else _checked_float("min_scale", min_scale)
-    hi = math.inf if max_scale is None else _checked_float("max_scale", max_scale)
-    if lo > hi:
-        raise ValueError(f"min_scale must be <= max_scale, got min_scale={min_scale!r} > max_scale={max_scale!r}")
+def torch_hyperparams(*, growth_factor: Any, backoff_factor: Any, growth_interval: Any) -> dict:
+    """Validated torch hyperparameters as the numpy values of their ScalerState fields."""
     return {
         "growth_factor": exact_mul.to_words(_checked_float("growth_factor", growth_factor)),
         "backoff_factor": exact_mul.to_words(_checked_float("backoff_factor", backoff_factor)),
         "growth_interval": np.int32(checked_int("growth_interval", growth_interval, 1)),
-        "min_scale": np.float32(lo),
-        "max_scale": np.float32(hi),
     }
+
+
+def bounds(min_scale: Any, max_scale: Any) -> dict:
+    """Validated ``min_scale``/``max_scale`` fields; None means no bound (0 and inf)."""
+    lo = 0.0 if min_scale is None else _checked_float("min_scale", min_scale)
+    hi = math.inf if max_scale is None else _checked_float("max_scale", max_scale)
+    if lo > hi:
+        raise ValueError(f"min_scale must be <= max_scale, got min_scale={min_scale!r} > max_scale={max_scale!r}")
+    return {"min_scale": np.float32(lo), "max_scale": np.float32(hi)}
 
 
 def checked_init_scale(init_scale: Any, hp: dict) -> np.float32:
     """``init_scale`` rounded to float32 (as torch's ``torch.full((), init_scale)``), inside [min, max]."""
-    s = np.float32(_checked_float("init_scale", init_scale))
+    s = f32(_checked_float("init_scale", init_scale))
     if not hp["min_scale"] <= s <= hp["max_scale"]:
         raise ValueError(f"init_scale must lie in [min_scale, max_scale], got {init_scale!r}")
     return s

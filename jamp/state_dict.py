@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from jamp import exact_mul, scaler_state
@@ -48,15 +47,11 @@ def load_state_dict(opt_state: Any, sd: dict[str, Any]) -> Any:
     missing = [k for k in KEYS if k not in sd]
     if missing:
         raise ValueError(f"the state dict has no key {missing[0]!r} (GradScaler state dicts have keys {KEYS})")
-    hp = scaler_state.hyperparams(
+    fields = scaler_state.torch_hyperparams(
         growth_factor=sd["growth_factor"],
         backoff_factor=sd["backoff_factor"],
         growth_interval=sd["growth_interval"],
     )
-    del hp["min_scale"], hp["max_scale"]
-    tracker = scaler_state.checked_int("_growth_tracker", sd["_growth_tracker"], 0)
-    scale = np.float32(scaler_state.real("scale", sd["scale"]))
-    return scaler_state.replace(
-        opt_state,
-        st._replace(scale=jnp.asarray(scale), growth_tracker=jnp.asarray(np.int32(tracker)), **scaler_state.as_arrays(hp)),
-    )
+    fields["scale"] = scaler_state.f32(scaler_state.real("scale", sd["scale"]))
+    fields["growth_tracker"] = np.int32(scaler_state.checked_int("_growth_tracker", sd["_growth_tracker"], 0))
+    return scaler_state.replace(opt_state, st._replace(**scaler_state.as_arrays(fields)))

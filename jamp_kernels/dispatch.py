@@ -18,11 +18,21 @@ def _xla(inv: jax.Array, *leaves: jax.Array) -> tuple[jax.Array, ...]:
     return (*xla.unscale(list(leaves), inv), xla.has_nonfinite(list(leaves)))
 
 
-def _pallas(inv: jax.Array, *leaves: jax.Array, interpret: bool, donate: bool,
-            where: sharding.Placement | None) -> tuple[jax.Array, ...]:
+def _pallas(inv: jax.Array, *leaves: jax.Array, interpret: bool, donate: bool) -> tuple[jax.Array, ...]:
     kernel = functools.partial(pallas_triton.unscale_and_check, interpret=interpret, donate=donate)
-    outs, found = sharding.shard_local(kernel, inv, list(leaves), where)
+    outs, found = sharding.shard_local(kernel, inv, list(leaves))
     return (*outs, found)
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "donate"))
+def _run(inv: jax.Array, work: list, *, backend: str, donate: bool) -> tuple[list, jax.Array]:
+    """Jitted even when called eagerly, so sharded inputs always reach XLA's partitioner (see sharding.py)."""
+    pallas = functools.partial(_pallas, interpret=backend == "interpret", donate=donate)
+    if backend == "auto":
+        *outs, found = lax.platform_dependent(inv, *work, cuda=pallas, default=_xla)
+    else:
+        *outs, found = (_xla if backend == "xla" else pallas)(inv, *work)
+    return outs, found
 
 
 def unscale_and_check(grads: Any, inv_scale: Any, *, backend: str = "auto",
@@ -42,14 +52,7 @@ def unscale_and_check(grads: Any, inv_scale: Any, *, backend: str = "auto",
     picked = [i for i, g in enumerate(leaves) if _leaves.is_scaled(g)]
     if not picked:
         return grads, jnp.zeros((), jnp.bool_)
-    work = [leaves[i] for i in picked]
-
-    pallas = functools.partial(_pallas, interpret=backend == "interpret", donate=donate,
-                               where=sharding.placement(work))
-    if backend == "auto":
-        *outs, found = lax.platform_dependent(inv, *work, cuda=pallas, default=_xla)
-    else:
-        *outs, found = (_xla if backend == "xla" else pallas)(inv, *work)
+    outs, found = _run(inv, [leaves[i] for i in picked], backend=backend, donate=donate)
     for i, out in zip(picked, outs):
         leaves[i] = out
     return jax.tree.unflatten(treedef, leaves), found

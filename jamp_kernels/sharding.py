@@ -1,62 +1,74 @@
 """Run the Pallas kernel shard by shard on sharded gradients.
 
 A ``pallas_call`` is opaque to XLA's SPMD partitioner, which would all-gather every sharded gradient to
-feed it. Wrapping the kernel in ``shard_map`` with the gradients' own partition specs keeps every shard
-on its device; only the scalar flag crosses devices (``pmax``).
+feed it. Both paths below keep every shard on its device and OR the scalar flag across the mesh (``pmax``):
+
+- Explicit mesh axes (``jax.make_mesh``'s default) show the partition specs in the leaves' types, so the
+  kernel is wrapped in ``shard_map`` with those specs.
+- Auto mesh axes hide the specs until XLA partitions the program, so the kernel is wrapped in
+  ``custom_partitioning``, whose callback receives the shardings XLA chose. On a single device, or
+  inside ``shard_map``/``pmap``, that wrapper lowers to the plain kernel.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable
 
 import jax
 from jax import lax
+from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 LeafFn = Callable[[jax.Array, list], tuple[list, jax.Array]]
 
 
-class Placement(NamedTuple):
-    mesh: Any
-    specs: tuple[P, ...]
-    axes: tuple[str, ...]
+def _is_split(spec: P) -> bool:
+    return any(entry is not None for entry in spec)
 
 
-def _sharding(leaf: Any) -> Any:
-    """Concrete arrays know their sharding; under ``jit`` only Explicit mesh axes are visible in the type."""
-    sharding = getattr(leaf, "sharding", None)
-    return sharding if isinstance(sharding, NamedSharding) else jax.typeof(leaf).sharding
+def _mesh_or(fn: LeafFn, mesh, inv: jax.Array, leaves: list) -> tuple[jax.Array, ...]:
+    """``fn`` on local shards, with the flag OR-ed over every mesh axis."""
+    outs, found = fn(inv, leaves)
+    return (*outs, lax.pmax(found, tuple(mesh.axis_names)))
 
 
-def _axes(spec: P) -> set[str]:
-    return {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
-
-
-def placement(leaves: Sequence[Any]) -> Placement | None:
-    """The mesh and partition specs of ``leaves``, or None when no leaf is split across devices."""
-    shardings = [_sharding(g) for g in leaves]
-    split = [s for s in shardings if isinstance(s, NamedSharding) and _axes(s.spec)]
-    if not split:
-        return None
-    mesh = split[0].mesh
-    specs = tuple(s.spec if isinstance(s, NamedSharding) and _axes(s.spec) else P() for s in shardings)
-    used = set().union(*map(_axes, specs))
-    return Placement(mesh, specs, tuple(a for a in mesh.axis_names if a in used))
-
-
-def shard_local(fn: LeafFn, inv: jax.Array, leaves: list, where: Placement | None) -> tuple[list, jax.Array]:
-    """``fn(inv, leaves)`` on each device's shards; the flag is OR-ed over the axes the leaves are split on.
-
-    ``check_vma=False`` because interpret-mode ``pallas_call`` fails jax 0.10.2's varying-axes check; the
-    explicit ``pmax`` is what makes the replicated flag correct.
-    """
-    if where is None:
-        return fn(inv, leaves)
-
-    def local(inv, *shards):
-        outs, found = fn(inv, list(shards))
-        return (*outs, lax.pmax(found, where.axes))
-
-    *outs, found = jax.shard_map(local, mesh=where.mesh, in_specs=(P(), *where.specs),
-                                 out_specs=(*where.specs, P()), check_vma=False)(inv, *leaves)
+def _shard_map(fn: LeafFn, inv: jax.Array, leaves: list) -> tuple[list, jax.Array]:
+    """``check_vma=False`` because interpret-mode ``pallas_call`` fails jax 0.10.2's varying-axes check;
+    the ``pmax`` in ``_mesh_or`` is what makes the replicated flag correct."""
+    mesh = next(jax.typeof(g).sharding.mesh for g in leaves if _is_split(jax.typeof(g).sharding.spec))
+    specs = tuple(jax.typeof(g).sharding.spec for g in leaves)
+    *outs, found = jax.shard_map(lambda inv, *ls: _mesh_or(fn, mesh, inv, list(ls)), mesh=mesh,
+                                 in_specs=(P(), *specs), out_specs=(*specs, P()),
+                                 check_vma=False)(inv, *leaves)
     return outs, found
+
+
+def _custom_partitioned(fn: LeafFn, inv: jax.Array, leaves: list) -> tuple[list, jax.Array]:
+    @custom_partitioning
+    def op(inv, *leaves):
+        outs, found = fn(inv, list(leaves))
+        return (*outs, found)
+
+    def shardings(mesh, arg_shapes):
+        """Each leaf's output keeps the leaf's sharding; inv_scale and the flag are replicated."""
+        replicated = NamedSharding(mesh, P())
+        specs = [a.sharding for a in arg_shapes[1:]]
+        return (*specs, replicated), (replicated, *specs)
+
+    def partition(mesh, arg_shapes, result_shape):
+        lower = lambda inv, *ls: _mesh_or(fn, mesh, inv, list(ls))  # noqa: E731
+        return (mesh, lower, *shardings(mesh, arg_shapes))
+
+    dims = [tuple(f"leaf{i}_dim{d}" for d in range(g.ndim)) for i, g in enumerate(leaves)]
+    op.def_partition(partition=partition,
+                     infer_sharding_from_operands=lambda mesh, args, result: shardings(mesh, args)[0],
+                     sharding_rule=SdyShardingRule(operand_mappings=((), *dims), result_mappings=(*dims, ())))
+    *outs, found = op(inv, *leaves)
+    return outs, found
+
+
+def shard_local(fn: LeafFn, inv: jax.Array, leaves: list) -> tuple[list, jax.Array]:
+    """``fn(inv, leaves)`` evaluated per shard, never on gathered gradients; the flag covers every shard."""
+    if any(_is_split(jax.typeof(g).sharding.spec) for g in leaves):
+        return _shard_map(fn, inv, leaves)
+    return _custom_partitioned(fn, inv, leaves)

@@ -20,11 +20,13 @@ def unscale(grads: Any, inv_scale: Any) -> Any:
 def has_nonfinite(grads: Any) -> jax.Array:
     """Scalar bool: any inf/NaN in any floating leaf.
 
-    ``~isfinite(max|g|)`` relies on ``max`` propagating NaN; unlike ``any(~isfinite(g))`` it writes no
-    bool temporary, which is 10-20% faster on XLA:CPU.
+    ``isnan(sum(g - g))``: ``g - g`` is 0 for finite values and NaN for inf/NaN, and a sum never drops a
+    NaN. It writes no bool temporary (``any(~isfinite(g))`` does, and is ~25% slower on XLA:CPU), and
+    unlike ``~isfinite(max|g|)`` it is exact: XLA:CPU's vectorised float32 ``max`` reduction loses NaNs
+    (e.g. a NaN at index 0 of 4097 elements).
     """
     leaves, _ = _leaves.flatten(grads)
-    flags = [jnp.logical_not(jnp.isfinite(jnp.max(jnp.abs(g)))) for g in leaves if _leaves.is_scaled(g)]
+    flags = [jnp.isnan(jnp.sum(g - g)) for g in leaves if _leaves.is_scaled(g)]
     if not flags:
         return jnp.zeros((), jnp.bool_)
     return jnp.any(jnp.stack(flags))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jamp._jax_compat import Literal
 from jamp.dtypes import FLOAT32, is_eligible, is_low, widest
 from jamp.interpreter import MATMUL_LIKE, Call, is_float
 
@@ -51,10 +52,12 @@ def _bias_target(call: Call, float_idx: list[int]):
     if call.eqn.primitive.name != "add" or len(float_idx) != 2:
         return None
     a, b = float_idx
+    if any(isinstance(call.eqn.invars[i], Literal) for i in float_idx):
+        return None
     for mm, other in ((a, b), (b, a)):
         mm_var, other_var = call.eqn.invars[mm], call.eqn.invars[other]
-        if (mm_var in call.env.lowered and call.invals[mm].dtype == call.ctx.compute_dtype
-                and not hasattr(other_var, "val") and is_eligible(call.invals[other].dtype)
+        if (call.env.is_lowered(mm_var) and call.invals[mm].dtype == call.ctx.compute_dtype
+                and is_eligible(call.invals[other].dtype)
                 and call.env.size_before_broadcast(other_var) < np.size(call.invals[mm])):
             return call.ctx.compute_dtype
     return None

@@ -1,0 +1,173 @@
+"""The public autocast API: call forms, caching (no retrace, no recompile), static args, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import dtypes_of
+
+import jamp
+
+BF16, F16, F32 = "bfloat16", "float16", "float32"
+W = jnp.ones((8, 8)) / 8
+X = jnp.ones((4, 8))
+
+
+def test_call_forms():
+    def f(w, x):
+        return x @ w
+
+    @jamp.autocast
+    def g(w, x):
+        return x @ w
+
+    @jamp.autocast(dtype=jnp.bfloat16)
+    def h(w, x):
+        return x @ w
+
+    assert dtypes_of(jamp.autocast(f, dtype="bf16"), W, X) == [(BF16,) * 3]
+    assert dtypes_of(h, W, X) == [(BF16,) * 3]
+    assert dtypes_of(g, W, X)[0][0] == BF16  # CPU backend: the cpu policy, bfloat16
+    assert g.__name__ == "g" and h.__wrapped__ is not None
+
+
+def test_outputs_keep_declared_dtypes_unless_policy_says_otherwise():
+    f = lambda w, x: x @ w  # noqa: E731
+    assert jamp.autocast(f, dtype="bf16")(W, X).dtype == jnp.float32
+    policy = jamp.get_policy("p=f32,c=bf16,o=bf16")
+    assert jamp.autocast(f, policy=policy)(W, X).dtype == jnp.bfloat16
+
+
+def test_no_retrace_and_no_recompile_on_repeated_calls():
+    traces = []
+
+    def f(w, x):
+        traces.append(1)
+        return jnp.tanh(x @ jax.jit(lambda a: a * 2)(w)).sum()
+
+    g = jamp.autocast(f, dtype="bf16")
+    g(W, X)
+    for _ in range(3):
+        g(W, X + 1)
+    assert len(traces) == 1
+    jitted = jax.jit(g)
+    jitted(W, X)
+    n = len(traces)
+    jitted(W, X + 1)
+    assert len(traces) == n
+    g(W, X[:2])  # a new shape traces once more
+    assert len(traces) == n + 1
+
+
+def test_no_recompile_counted_by_jax():
+    from jax._src import test_util as jtu
+
+    g = jamp.autocast(lambda w, x: jax.jit(jnp.tanh)(x @ w).sum(), dtype="bf16")
+    g(W, X)
+    inputs = [X * i for i in range(3)]
+    with jtu.count_jit_and_pmap_lowerings() as count:
+        for x in inputs:
+            g(W, x)
+    assert count() == 0
+
+
+def test_python_scalars_and_strings_are_static():
+    def f(w, x, train, mode="a", scale=2.0):
+        h = x @ w
+        if train and mode == "a":
+            h = h * scale
+        return h.sum()
+
+    g = jamp.autocast(f, dtype="bf16")
+    assert float(g(W, X, True)) == pytest.approx(float(f(W, X, True)), rel=1e-2)
+    assert float(g(W, X, False, mode="b")) == pytest.approx(float(f(W, X, False)), rel=1e-2)
+
+
+def test_static_argnums_for_array_valued_arguments():
+    def f(w, x, n):
+        return (x @ w).sum() * int(n)
+
+    g = jamp.autocast(f, dtype="bf16", static_argnums=2)
+    assert float(g(W, X, 3)) == pytest.approx(float(f(W, X, 3)), rel=1e-2)
+    g2 = jamp.autocast(lambda w, x, *, k: (x @ w).sum() * k, dtype="bf16", static_argnames="k")
+    assert float(g2(W, X, k=2)) == pytest.approx(2 * float((X @ W).sum()), rel=1e-2)
+
+
+def test_pytree_inputs_and_outputs():
+    def f(params, batch):
+        h = batch["x"] @ params["w"]
+        return {"logits": h, "aux": (h.sum(), None)}
+
+    out = jamp.autocast(f, dtype="bf16")({"w": W}, {"x": X})
+    assert out["aux"][1] is None and out["logits"].shape == (4, 8)
+
+
+@pytest.mark.parametrize("bad", [jnp.float32, jnp.float64, jnp.int8, "fp8", "bfloat", 3])
+def test_bad_dtype(bad):
+    with pytest.raises(ValueError, match=r"dtype=.*allowed: bfloat16, float16"):
+        jamp.autocast(lambda x: x, dtype=bad)
+
+
+@pytest.mark.parametrize("bad", ["xpu", "GPU0", 3, "not a real device"])
+def test_bad_device_type(bad):
+    with pytest.raises(ValueError, match=r"device_type=.*allowed"):
+        jamp.autocast(lambda x: x, device_type=bad)
+
+
+@pytest.mark.parametrize("bad", [None, 3, "string", jnp.ones(3)])
+def test_non_callable(bad):
+    if bad is None:
+        assert callable(jamp.autocast(bad))  # decorator factory
+        return
+    with pytest.raises(TypeError, match="requires a callable"):
+        jamp.autocast(bad)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("p=f32,x=bf16", "cannot parse"), ("c=f64", "allowed"), ("c=float32", "no mixed precision"),
+    ("compute=int8", "allowed"), (42, "policy must be"),
+])
+def test_bad_policy(bad, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        jamp.autocast(lambda x: x, policy=bad)
+
+
+def test_bad_region_mode_and_category():
+    with pytest.raises(ValueError, match="region mode"):
+        jamp.get_policy("gpu").with_rules({"*": "fp32"})
+    with pytest.raises(ValueError, match="categories"):
+        jamp.get_policy("gpu").with_categories({"exp": "sometimes"})
+
+
+@pytest.mark.parametrize("spec,device,compute,output", [
+    ("gpu", "gpu", F16, None), ("cuda", "gpu", F16, None), ("cpu", "cpu", BF16, None), ("tpu", "tpu", BF16, None),
+    ("mixed_float16", "gpu", F16, None), ("mixed_bfloat16", "cpu", BF16, None), ("bf16", "cpu", BF16, None),
+    ("p=f32,c=bf16,o=f32", "cpu", BF16, F32), ("params=float32,compute=float16,output=float16,device=gpu",
+                                                 "gpu", F16, F16),
+    ("compute=bf16, d=tpu", "tpu", BF16, None),
+])
+def test_policy_strings(spec, device, compute, output):
+    p = jamp.get_policy(spec)
+    assert (p.device_type, str(p.compute_dtype), getattr(p.output_dtype, "name", None)) == (device, compute, output)
+    assert hash(p) == hash(jamp.get_policy(spec)) and p == jamp.get_policy(spec)
+
+
+def test_policy_is_a_valid_jit_static_argument_and_casts_trees():
+    p = jamp.get_policy("p=f32,c=bf16,o=f16")
+    out = jax.jit(lambda x, policy: policy.cast_to_output(x), static_argnums=1)(X, p)
+    assert out.dtype == jnp.float16
+    tree = p.cast_to_compute({"a": X, "i": jnp.arange(3), "d": np.float64(1.0)})
+    assert tree["a"].dtype == jnp.bfloat16 and tree["i"].dtype == jnp.int32
+
+
+def test_creates_no_arrays_and_no_backend_at_import_or_decoration():
+    from helpers import run_subprocess
+
+    out = run_subprocess("""
+        import jax, jax._src.xla_bridge as xb
+        import jamp
+        g = jamp.autocast(lambda x: x * 2)
+        h = jamp.scaler if hasattr(jamp, "scaler") else None
+        print(len(xb._backends))
+    """, devices=1)
+    assert out.strip() == "0"

@@ -1,0 +1,170 @@
+"""unscale_and_check on one CPU device: every backend against a NumPy reference of torch's kernel."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jamp_kernels
+from jamp_kernels import pallas_triton
+
+SIZES = (1, 7, 1000, 4097, 8192, 65537)  # 8192: several full blocks, no ragged tail
+DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+BACKENDS = ("xla", "interpret", "auto")
+INV = np.float32(1 / 3)  # not a power of two, so every product is rounded
+
+
+def reference(leaf, inv):
+    """torch's _amp_foreach_non_finite_check_and_unscale_ for one leaf, in NumPy."""
+    x = np.asarray(leaf)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or inv == 1:
+        return x
+    op = np.float64 if x.dtype == np.float64 else np.float32
+    return (x.astype(op) * op(inv)).astype(x.dtype)
+
+
+def assert_same_bits(got, want):
+    """Bit equality, except that any NaN matches any NaN (multiplication may requiet a payload)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if np.issubdtype(got.dtype, np.integer) or got.dtype == np.bool_:
+        np.testing.assert_array_equal(got, want)
+        return
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+    bits = f"u{got.dtype.itemsize}"
+    np.testing.assert_array_equal(got[~nan].view(bits), want[~nan].view(bits))
+
+
+def ragged_tree():
+    """Every ragged size in every half/single dtype, a 0-d leaf, an N-d leaf, and pass-through leaves."""
+    rng = np.random.default_rng(0)
+    tree = {f"{jnp.dtype(dt).name}_{n}": jnp.asarray(rng.standard_normal(n) * 1024, dt) for dt in DTYPES for n in SIZES}
+    tree.update(scalar=jnp.float16(-3.5), matrix=jnp.asarray(rng.standard_normal((33, 5)), jnp.bfloat16),
+                steps=jnp.arange(5, dtype=jnp.int32), mask=jnp.array([True, False]), empty=jnp.zeros((0, 3)))
+    return tree
+
+
+@pytest.fixture(scope="module")
+def tree():
+    return ragged_tree()
+
+
+@pytest.fixture(scope="module")
+def jitted():
+    return {b: jax.jit(lambda g, inv, b=b: jamp_kernels.unscale_and_check(g, inv, backend=b)) for b in BACKENDS}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_reference_bit_for_bit(tree, jitted, backend):
+    out, found = jitted[backend](tree, INV)
+    assert found.shape == () and found.dtype == jnp.bool_ and not found
+    assert jax.tree.structure(out) == jax.tree.structure(tree)
+    for key, leaf in tree.items():
+        assert_same_bits(out[key], reference(leaf, INV))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_nonfinite_kind_at_both_ends_of_every_leaf(tree, jitted, backend):
+    for key, leaf in tree.items():
+        if not jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.size == 0:
+            continue
+        for position in (0, leaf.size - 1):
+            for bad in (np.inf, -np.inf, np.nan):
+                flat = np.array(leaf).reshape(-1)
+                flat[position] = bad
+                poisoned = dict(tree, **{key: jnp.asarray(flat.reshape(leaf.shape))})
+                out, found = jitted[backend](poisoned, INV)
+                assert found, (key, position, bad)
+                assert_same_bits(out[key], reference(poisoned[key], INV))  # still unscaled, as torch does
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inv_scale_one_passes_subnormals_through(backend):
+    """XLA:CPU flushes subnormal products to zero; torch's kernel returns the input when inv_scale == 1."""
+    tiny = {"f32": jnp.array([1e-40, -3e-39, 1e-45, 2.0], jnp.float32),
+            "bf16": jnp.array([1e-39, -2e-40, 1.0], jnp.bfloat16)}
+    out, found = jamp_kernels.unscale_and_check(tiny, 1.0, backend=backend)
+    assert not found
+    for key in tiny:
+        assert_same_bits(out[key], tiny[key])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_found_inf_looks_at_inputs_not_outputs(backend):
+    """A scale below one can overflow a float16 output; only inf/NaN inputs count (torch)."""
+    g = {"h": jnp.array([65504.0, 1.0], jnp.float16)}
+    out, found = jamp_kernels.unscale_and_check(g, 4.0, backend=backend)
+    assert not found
+    assert_same_bits(out["h"], np.array([np.inf, 4.0], np.float16))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eager_call_and_float16_rounding(backend):
+    """``65504 * (1/3)`` rounds once to float16 21840 (torch_amp_behavior.md §1.4)."""
+    out, found = jamp_kernels.unscale_and_check([jnp.array([65504.0], jnp.float16)], INV, backend=backend)
+    assert out[0].dtype == jnp.float16 and float(out[0][0]) == 21840.0 and not found
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_floating_leaves_nothing_runs(backend):
+    g = {"step": jnp.arange(3), "empty": jnp.zeros((0,), jnp.float32)}
+    out, found = jamp_kernels.unscale_and_check(g, 0.5, backend=backend)
+    assert out is g and not found
+
+
+def test_groups_of_leaves_become_separate_launches(monkeypatch):
+    monkeypatch.setattr(pallas_triton, "MAX_LEAVES_PER_CALL", 2)
+    leaves = [jnp.full((n,), n, jnp.float32) for n in (3, 5, 9, 17, 33)]
+    fn = jax.jit(lambda g: jamp_kernels.unscale_and_check(g, 0.5, backend="interpret"))
+    assert str(fn.trace(leaves).jaxpr).count("pallas_call") == 3
+    out, found = fn(leaves)
+    assert not found
+    for got, leaf in zip(out, leaves):
+        assert_same_bits(got, reference(leaf, 0.5))
+    leaves[-1] = leaves[-1].at[32].set(jnp.nan)
+    assert fn(leaves)[1]
+
+
+def test_donated_gradients_give_the_same_result():
+    """The aliasing itself is checked on the Triton lowering (test_kernels_lowering.py)."""
+    fn = jax.jit(lambda g: jamp_kernels.unscale_and_check(g, 0.5, backend="interpret", donate=True), donate_argnums=0)
+    grads = [jnp.arange(4097, dtype=jnp.float32), jnp.ones((3, 3), jnp.bfloat16)]
+    want = [reference(g, 0.5) for g in grads]
+    out, found = fn(grads)
+    assert not found
+    for got, w in zip(out, want):
+        assert_same_bits(got, w)
+
+
+def test_auto_runs_xla_off_cuda(tree):
+    """On CPU, "auto" lowers only the XLA branch: no interpreted grid loop, no Triton call."""
+    hlo = jax.jit(lambda g: jamp_kernels.unscale_and_check(g, INV)).lower(tree).compile().as_text()
+    assert "while" not in hlo and "triton" not in hlo
+
+
+def test_public_helpers_agree_with_the_fused_call(tree):
+    out, found = jamp_kernels.unscale_and_check(tree, INV, backend="xla")
+    for key, leaf in jamp_kernels.unscale(tree, INV).items():
+        assert_same_bits(leaf, out[key])
+    assert jamp_kernels.has_nonfinite(tree) == found
+    assert jamp_kernels.has_nonfinite({"x": jnp.array([1.0, jnp.nan])})
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'xla', 'pallas', 'interpret'\)"):
+        jamp_kernels.unscale_and_check([jnp.ones(3)], 0.5, backend="cuda")
+    with pytest.raises(TypeError, match=r"grads\['b'\] is a float"):
+        jamp_kernels.unscale_and_check({"a": jnp.ones(2), "b": 1.0}, 0.5)
+    with pytest.raises(TypeError, match="complex"):
+        jamp_kernels.unscale_and_check([jnp.ones(2, jnp.complex64)], 0.5)
+    with pytest.raises(ValueError, match="inv_scale"):
+        jamp_kernels.unscale_and_check([jnp.ones(2)], jnp.ones(2))
+
+
+def test_importing_the_kernels_does_not_import_jamp():
+    code = "import sys, jamp_kernels; assert 'jamp' not in sys.modules, sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=jamp_kernels.__path__[0] + "/..")

@@ -1,0 +1,74 @@
+"""The op tables are data about the installed JAX: every primitive they name must exist, and the
+higher-order primitives jamp rewrites must still carry the parameters it reads."""
+
+import gc
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas  # noqa: F401  (registers pallas_call)
+from jax.extend import core as jcore
+
+import jamp
+from jamp import _jax_compat as jc
+from jamp import oplists
+
+
+def installed_primitive_names():
+    import jax._src.lax.linalg  # noqa: F401
+    import jax._src.lax.fft  # noqa: F401
+    import jax._src.lax.special  # noqa: F401
+    import jax.random  # noqa: F401
+
+    return {o.name for o in gc.get_objects() if isinstance(o, jcore.Primitive)}
+
+
+def test_every_listed_primitive_exists_in_installed_jax():
+    names = installed_primitive_names()
+    listed = {p for row in oplists.OP_TABLE for p in row.primitives}
+    missing = sorted(listed - names)
+    assert not missing, f"primitives not in jax {jax.__version__}: {missing}"
+
+
+def test_no_primitive_is_listed_twice():
+    listed = [p for row in oplists.OP_TABLE for p in row.primitives]
+    assert len(listed) == len(set(listed))
+
+
+def test_categories_are_known_and_both_lists_cover_the_same_primitives():
+    for row in oplists.OP_TABLE:
+        assert row.gpu in oplists.CATEGORIES and row.cpu in oplists.CATEGORIES
+    assert set(oplists.categories_for("gpu")) == set(oplists.categories_for("cpu"))
+
+
+@pytest.mark.parametrize("fun,name,params", [
+    (lambda x: jax.jit(jnp.sin)(x), jc.JIT, [jc.JIT_JAXPR, jc.JIT_NAME]),
+    (lambda x: jax.lax.scan(lambda c, _: (c, None), x, None, length=2)[0], jc.SCAN, [jc.SCAN_JAXPR]),
+    (lambda x: jax.lax.while_loop(lambda c: c.sum() < 0, lambda c: c, x), jc.WHILE, [jc.WHILE_COND, jc.WHILE_BODY]),
+    (lambda x: jax.lax.cond(True, jnp.sin, jnp.cos, x), jc.COND, [jc.COND_BRANCHES]),
+    (lambda x: jax.checkpoint(jnp.sin)(x), jc.REMAT, [jc.REMAT_JAXPR]),
+    (lambda x: jax.nn.relu(x), jc.CUSTOM_JVP, [jc.CALL_JAXPR, jc.JVP_THUNK, jc.NUM_CONSTS]),
+])
+def test_higher_order_primitive_parameters(fun, name, params):
+    closed = jax.make_jaxpr(fun)(jnp.ones(3))
+    eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == name)
+    assert all(p in eqn.params for p in params)
+
+
+def test_custom_vjp_parameters():
+    @jax.custom_vjp
+    def f(x):
+        return x
+
+    f.defvjp(lambda x: (x, None), lambda _, g: (g,))
+    eqn = jax.make_jaxpr(f)(1.0).jaxpr.eqns[0]
+    assert eqn.primitive.name == jc.CUSTOM_VJP
+    assert all(p in eqn.params for p in (jc.CALL_JAXPR, jc.FWD_THUNK, jc.BWD, jc.NUM_CONSTS))
+
+
+def test_builtin_policies_are_built_from_the_tables():
+    for device, oplist in oplists.OPLIST_OF_DEVICE.items():
+        policy = jamp.get_policy(device)
+        for prim, cat in oplists.categories_for(oplist).items():
+            assert policy.category(prim) == cat
+        assert str(policy.compute_dtype) == oplists.DEFAULT_DTYPE_OF_DEVICE[device]
