@@ -143,7 +143,7 @@ def test_nnx_model_with_autocast_and_optimizer():
 
     losses = [float(step(model, optimizer, x, y)) for _ in range(15)]
     assert losses[-1] < losses[0]
-    assert model.lin1.kernel.value.dtype == jnp.float32
+    assert model.lin1.kernel[...].dtype == jnp.float32
 
 
 def test_nnx_split_merge_functional_style():
