@@ -1,6 +1,8 @@
 """jamp: automatic mixed precision for JAX (torch.amp's autocast and GradScaler, the JAX way)."""
 
 from jamp.autocast import autocast, custom_fwd
+from jamp.explain import Report, explain
+from jamp.find_overflow import Finding, find_overflow
 from jamp.policy import Policy, get_policy
 
 # --- scaler (jamp/scaler.py) ---
@@ -11,9 +13,13 @@ from jamp.state_dict import load_state_dict, state_dict
 # --- end scaler ---
 
 __all__ = [
+    "Finding",
     "Policy",
+    "Report",
     "autocast",
     "custom_fwd",
+    "explain",
+    "find_overflow",
     "get_policy",
     # --- scaler names ---
     "DisabledScalerState",

@@ -63,6 +63,12 @@ def name_stack_str(eqn) -> str:
     return str(eqn.source_info.name_stack)
 
 
+def source_location(eqn) -> str:
+    """'file.py:12 (fn)' of the user code that created ``eqn``, or '' when unknown."""
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})" if frame else ""
+
+
 def is_symbolic_zero(x) -> bool:
     """True for the ``Zero`` placeholders a custom_vjp bwd rule may return."""
     from jax._src.ad_util import Zero
@@ -81,6 +87,6 @@ def shard_map_body(out_specs, body):
 
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Literal", "Var", "convert_constvars_jaxpr", "jaxpr_as_fun",
-    "jaxprs_in_params", "weakref_lru_cache", "wrap_init", "user_context", "name_stack_str",
+    "jaxprs_in_params", "weakref_lru_cache", "wrap_init", "user_context", "name_stack_str", "source_location",
     "is_symbolic_zero", "shard_map_body",
 ]

@@ -107,7 +107,8 @@ class Autocast:
             return self.fun(*args, **kwargs)
         return self._call(args, kwargs)
 
-    def _call(self, args: tuple, kwargs: dict):
+    def _prepare(self, args: tuple, kwargs: dict):
+        """(cache key, dynamic leaves, signature for ``_original``/``_trace``) of one call."""
         static_args = tuple((i, args[i]) for i in self.static_argnums if i < len(args))
         static_kwargs = tuple(sorted((k, kwargs[k]) for k in self.static_argnames if k in kwargs))
         rest_args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
@@ -118,12 +119,17 @@ class Autocast:
         static_leaves = tuple(x for x, d in zip(leaves, dynamic_mask) if not d)
         avals = tuple(jax.typeof(x) for x in dynamic)
         key = (treedef, dynamic_mask, static_leaves, static_args, static_kwargs, avals)
+        signature = (avals, treedef, dynamic_mask, static_leaves, dict(static_args), dict(static_kwargs))
+        return key, dynamic, signature
+
+    def _call(self, args: tuple, kwargs: dict):
+        key, dynamic, signature = self._prepare(args, kwargs)
         try:
             entry = self._cache.get(key)
         except TypeError:  # an unhashable static argument: trace every call
             key, entry = None, None
         if entry is None:
-            entry = self._trace(avals, treedef, dynamic_mask, static_leaves, dict(static_args), dict(static_kwargs))
+            entry = self._trace(*signature)
             if key is not None:
                 self._cache[key] = entry
                 if len(self._cache) > _CACHE_SIZE:
@@ -132,7 +138,20 @@ class Autocast:
             self._cache.move_to_end(key)
         return jax.tree.unflatten(entry.out_tree, entry.run(dynamic))
 
-    def _trace(self, avals, treedef, dynamic_mask, static_leaves, static_args, static_kwargs) -> _Entry:
+    def rewrite(self, *args, recorder: Any = None, **kwargs) -> tuple[jc.ClosedJaxpr, Any]:
+        """The rewritten program for these arguments and its output tree; ``recorder`` (see
+        :mod:`jamp.explain`) sees every decision of a fresh, uncached rewrite."""
+        _, _, signature = self._prepare(args, kwargs)
+        entry = self._trace(*signature, recorder=recorder)
+        return entry.closed, entry.out_tree
+
+    def trace_original(self, *args, **kwargs) -> tuple[jc.ClosedJaxpr, list, Context]:
+        """The function's own jaxpr, its dynamic arguments and the top-level context."""
+        _, dynamic, signature = self._prepare(args, kwargs)
+        closed, _ = self._original(*signature)
+        return closed, dynamic, Context(self.policy, AUTOCAST, (), self.cache_enabled)
+
+    def _original(self, avals, treedef, dynamic_mask, static_leaves, static_args, static_kwargs):
         out_tree = []
 
         def flat_fun(*dynamic):
@@ -148,11 +167,16 @@ class Autocast:
 
         with _Tracing():
             closed = jax.make_jaxpr(flat_fun)(*avals)
+        return closed, out_tree[0]
+
+    def _trace(self, avals, treedef, dynamic_mask, static_leaves, static_args, static_kwargs,
+               recorder: Any = None) -> _Entry:
+        closed, out_tree = self._original(avals, treedef, dynamic_mask, static_leaves, static_args, static_kwargs)
         policy = self.policy
         out_dtypes = tuple(policy.output_dtype if policy.output_dtype is not None and is_eligible(a.dtype)
                            else a.dtype for a in closed.out_avals)
-        ctx = Context(policy, AUTOCAST, (), self.cache_enabled)
-        return _Entry(_trace(closed, tuple(closed.in_avals), ctx, out_dtypes), out_tree[0])
+        ctx = Context(policy, AUTOCAST, (), self.cache_enabled, recorder)
+        return _Entry(_trace(closed, tuple(closed.in_avals), ctx, out_dtypes), out_tree)
 
 
 def autocast(fun: Callable | None = None, /, *, dtype: Any = None, device_type: str | None = None,

@@ -29,6 +29,7 @@ class Context:
     mode: str
     path: tuple[str, ...] = ()
     cache_enabled: bool = True
+    recorder: Any = None  # jamp.explain's Recorder: part of the key, so recording never hits a cache
 
     def descend(self, comps: tuple[str, ...]) -> Context:
         policy, mode = regions.resolve(self.policy, self.mode, self.path, comps)
@@ -94,14 +95,15 @@ class Call:
     ctx: Context
     env: Env
     comps: tuple[str, ...]
+    bound: list | None = None  # the inputs the primitive finally ran on
 
     @property
     def params(self) -> dict:
         return self.eqn.params
 
     def bind(self, invals=None, **param_updates):
-        params = {**self.eqn.params, **param_updates}
-        return self.eqn.primitive.bind(*(self.invals if invals is None else invals), **params)
+        self.bound = self.invals if invals is None else invals
+        return self.eqn.primitive.bind(*self.bound, **{**self.eqn.params, **param_updates})
 
     def recorded_dtype(self, i: int):
         return self.eqn.invars[i].aval.dtype
@@ -133,8 +135,11 @@ def evaluate(jaxpr: jc.Jaxpr, consts, args, ctx: Context) -> list:
         call = Call(eqn, [env.read(v) for v in eqn.invars], eqn_ctx, env, comps)
         with jc.user_context(eqn), eqn.ctx.manager:
             outs = rule(call)
-        env.write(eqn.outvars, outs if eqn.primitive.multiple_results else [outs])
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        env.write(eqn.outvars, outs)
         _track(env, eqn, effective)
+        if ctx.recorder is not None:
+            ctx.recorder.record(call, effective, outs)
     return [env.read(v) for v in jaxpr.outvars]
 
 

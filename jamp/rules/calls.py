@@ -18,13 +18,17 @@ def _holds_linalg(jaxpr: jc.Jaxpr, policy: Policy) -> bool:
     return any(policy.category(e.primitive.name) == oplists.LINALG for e in jaxpr.eqns)
 
 
-def jit(call: Call):
-    closed = call.params[jc.JIT_JAXPR]
+def jit_body_ctx(call: Call):
+    """The jit's name is a path component (region rules match it); a jit that directly holds a
+    decomposition (jnp.linalg.solve/inv/pinv...) runs in float32, matmuls around it included."""
     ctx = call.body_ctx(call.params[jc.JIT_NAME])
-    if ctx.mode != OFF and _holds_linalg(closed.jaxpr, ctx.policy):
-        # jnp.linalg.solve/inv/pinv/...: the decomposition and the matmuls around it stay float32.
+    if ctx.mode != OFF and _holds_linalg(call.params[jc.JIT_JAXPR].jaxpr, ctx.policy):
         ctx = dataclasses.replace(ctx, mode=F32)
-    new = retrace(closed, avals_of(call.invals), ctx, None)
+    return ctx
+
+
+def jit(call: Call):
+    new = retrace(call.params[jc.JIT_JAXPR], avals_of(call.invals), jit_body_ctx(call), None)
     return call.bind(**{jc.JIT_JAXPR: new})
 
 

@@ -1,0 +1,165 @@
+"""``jamp.explain``: what ran in which dtype, where in the user's code, and which rule decided it."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+
+from jamp import _jax_compat as jc
+from jamp.autocast import autocast
+from jamp.interpreter import MATMUL_LIKE, Call
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRecord:
+    """One equation of the rewritten program."""
+
+    primitive: str
+    source: str                  # user file:line (function)
+    path: str                    # name scopes / flax module path / jit names
+    traced_dtypes: tuple         # input dtypes as the function was traced
+    arrived_dtypes: tuple        # input dtypes that reached the equation under autocast
+    ran_dtypes: tuple            # input dtypes the primitive ran on, after jamp's casts
+    out_dtypes: tuple
+    traced_out_dtypes: tuple
+    category: str                # the policy's category of the primitive
+    rule: str                    # the rule that ran (after region modes)
+    mode: str                    # the region mode in force
+    casts: int                   # inputs jamp cast for this equation
+    flops: int                   # multiply-adds x 2 for matmuls and convolutions, else 0
+    out_bytes: int
+    traced_out_bytes: int
+
+    @property
+    def low_precision(self) -> bool:
+        return any(d in ("float16", "bfloat16") for d in self.ran_dtypes)
+
+
+def _dtypes(values) -> tuple:
+    return tuple(str(getattr(v, "dtype", type(v).__name__)) for v in values)
+
+
+def _flops(eqn) -> int:
+    name = eqn.primitive.name
+    if name not in MATMUL_LIKE:
+        return 0
+    out = math.prod(eqn.outvars[0].aval.shape)
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval.shape
+        out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
+        return 2 * out * math.prod(rhs) // rhs[out_feature_dim]
+    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+    return 2 * out * math.prod(eqn.invars[0].aval.shape[d] for d in lhs_contract)
+
+
+def _nbytes(avals_or_values) -> int:
+    """Bytes of the floating values (activations); keys, ints and bools are not what AMP saves."""
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a in avals_or_values
+               if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating))
+
+
+class Recorder:
+    """Collects an OpRecord for every equation the interpreter evaluates. Hashed by identity."""
+
+    def __init__(self):
+        self.records: list[OpRecord] = []
+
+    def record(self, call: Call, effective: str, outs: list) -> None:
+        eqn = call.eqn
+        ran = call.bound if call.bound is not None else call.invals
+        self.records.append(OpRecord(
+            primitive=eqn.primitive.name,
+            source=jc.source_location(eqn),
+            path="/".join(call.ctx.path),
+            traced_dtypes=tuple(str(v.aval.dtype) for v in eqn.invars),
+            arrived_dtypes=_dtypes(call.invals),
+            ran_dtypes=_dtypes(ran),
+            out_dtypes=_dtypes(outs),
+            traced_out_dtypes=tuple(str(v.aval.dtype) for v in eqn.outvars),
+            category=call.ctx.policy.category(eqn.primitive.name),
+            rule=effective,
+            mode=call.ctx.mode,
+            casts=sum(getattr(a, "dtype", None) != getattr(b, "dtype", None) for a, b in zip(call.invals, ran)),
+            flops=_flops(eqn),
+            out_bytes=_nbytes(outs),
+            traced_out_bytes=_nbytes([v.aval for v in eqn.outvars]),
+        ))
+
+
+COLUMNS = ("primitive", "ran_dtypes", "out_dtypes", "traced_dtypes", "rule", "casts", "path", "source")
+
+
+@dataclasses.dataclass
+class Report:
+    """The result of :func:`explain`: ``rows`` (one per equation touching a float) and ``summary``."""
+
+    rows: list[OpRecord]
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        matmuls = [r for r in self.rows if r.flops]
+        total = sum(r.flops for r in matmuls)
+        return {
+            "equations": len(self.rows),
+            "matmul_conv_count": len(matmuls),
+            "matmul_conv_low_precision": sum(r.low_precision for r in matmuls),
+            "low_precision_flop_share": (sum(r.flops for r in matmuls if r.low_precision) / total) if total else 0.0,
+            "casts_inserted": sum(r.casts for r in self.rows),
+            "activation_bytes_saved": sum(r.traced_out_bytes - r.out_bytes for r in self.rows),
+        }
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        return [{k: (", ".join(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(r).items()}
+                for r in self.rows]
+
+    def to_csv(self) -> str:
+        buf = io.StringIO()
+        dicts = self.to_dicts()
+        writer = csv.DictWriter(buf, fieldnames=list(dicts[0]) if dicts else list(OpRecord.__annotations__))
+        writer.writeheader()
+        writer.writerows(dicts)
+        return buf.getvalue()
+
+    def table(self, only_casts: bool = False):
+        """A ``rich.table.Table`` of the rows (those with casts only, if asked)."""
+        from rich.table import Table
+
+        table = Table(title="jamp.explain", show_lines=False)
+        for column in COLUMNS:
+            table.add_column(column)
+        for row in self.rows:
+            if not only_casts or row.casts:
+                d = dict(zip(OpRecord.__annotations__, dataclasses.astuple(row)))
+                table.add_row(*(", ".join(d[c]) if isinstance(d[c], tuple) else str(d[c]) for c in COLUMNS))
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(file=io.StringIO(), width=200, color_system=None)
+        console.print(self.table())
+        console.print(", ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}"
+                                for k, v in self.summary.items()))
+        return console.file.getvalue()
+
+
+def _touches_float(r: OpRecord) -> bool:
+    return any(d.startswith(("float", "bfloat")) for d in r.arrived_dtypes + r.out_dtypes)
+
+
+def explain(fun: Callable, **autocast_kwargs) -> Callable[..., Report]:
+    """``explain(f, dtype=...)(*args)``: the decisions :func:`jamp.autocast` makes for ``f`` on these
+    arguments, one row per equation (sub-jaxprs included) with its source line and module path."""
+
+    def run(*args, **kwargs) -> Report:
+        recorder = Recorder()
+        autocast(fun, **autocast_kwargs).rewrite(*args, recorder=recorder, **kwargs)
+        return Report([r for r in recorder.records if _touches_float(r)])
+
+    return run

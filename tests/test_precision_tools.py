@@ -1,0 +1,150 @@
+"""jamp.explain and jamp.find_overflow, and region rules on flax linen and NNX models."""
+
+import csv
+import io
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from helpers import dtypes_of
+
+import jamp
+
+X = jax.random.normal(jax.random.key(1), (2, 8))
+
+
+class Block(nn.Module):
+    scale: float = 1.0
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16)(nn.LayerNorm()(x))
+        h = jax.nn.relu(h) * self.scale
+        return jax.nn.log_softmax(nn.Dense(4, name="lm_head")(h))
+
+
+PARAMS = Block().init(jax.random.key(0), X)
+
+
+def test_explain_rows_name_source_module_path_and_rule():
+    report = jamp.explain(Block().apply, device_type="gpu")(PARAMS, X)
+    dots = [r for r in report.rows if r.primitive == "dot_general"]
+    assert [r.path for r in dots] == ["Block/Dense_0", "Block/lm_head"]
+    assert all(r.ran_dtypes == ("float16", "float16") and r.traced_dtypes == ("float32", "float32") for r in dots)
+    assert all(r.rule == "lower" and "linear.py" in r.source for r in dots)
+    assert [r.casts for r in dots] == [2, 1]  # lm_head's input already arrives in float16
+    norm = [r for r in report.rows if r.path == "Block/LayerNorm_0" and r.primitive == "rsqrt"]
+    assert norm[0].rule == "float32" and norm[0].mode == "float32"  # the built-in LayerNorm* rule
+    summary = report.summary
+    assert summary["matmul_conv_count"] == 2 and summary["low_precision_flop_share"] == 1.0
+    assert summary["casts_inserted"] == sum(r.casts for r in report.rows) > 0
+    assert summary["activation_bytes_saved"] > 0
+
+
+def test_explain_flop_share_counts_float32_regions():
+    policy = jamp.get_policy("gpu").with_rules({"lm_head": "float32"})
+    report = jamp.explain(Block().apply, policy=policy)(PARAMS, X)
+    flops = {r.path: r.flops for r in report.rows if r.flops}
+    assert flops == {"Block/Dense_0": 2 * 2 * 8 * 16, "Block/lm_head": 2 * 2 * 16 * 4}
+    assert report.summary["low_precision_flop_share"] == pytest.approx(256 / (256 + 128))
+
+
+def test_explain_renders_and_exports():
+    report = jamp.explain(Block().apply, device_type="cpu")(PARAMS, X)
+    text = str(report)
+    assert "dot_general" in text and "Block/lm_head" in text and "low_precision_flop_share" in text
+    rows = list(csv.DictReader(io.StringIO(report.to_csv())))
+    assert len(rows) == len(report.rows) and rows[0].keys() >= {"primitive", "source", "path", "ran_dtypes"}
+    assert report.to_dicts()[0]["primitive"] == report.rows[0].primitive
+
+
+def test_explain_sees_inside_higher_order_primitives_and_grad():
+    def loss(p, x):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(Block().apply(p, c)) @ jnp.ones((4, 8)), None), x, None,
+                            length=2)[0].sum()
+
+    report = jamp.explain(jax.grad(loss), dtype="bf16")(PARAMS, X)
+    dots = [r for r in report.rows if r.primitive == "dot_general"]
+    assert len(dots) == 8 and all(r.low_precision for r in dots)  # 3 forward + 5 backward
+
+
+def test_find_overflow_points_at_the_op_and_its_source_line():
+    def loss(p, x):
+        return -Block(scale=1e5).apply(p, x).mean()
+
+    finding = jamp.find_overflow(loss, device_type="gpu")(PARAMS, X)
+    assert finding is not None and finding.kind == "overflow"
+    assert (finding.primitive, finding.path, finding.output_dtype) == ("mul", "Block", "float16")
+    assert "test_precision_tools.py" in finding.source and "Block.__call__" in finding.source
+    assert finding.input_dtypes == ("float16", "float16") and finding.float32_max_abs > 65504
+    # bfloat16 has float32's range: nothing overflows there
+    assert jamp.find_overflow(loss, device_type="cpu")(PARAMS, X) is None
+    # and an unscaled model is clean
+    assert jamp.find_overflow(lambda p, x: -Block().apply(p, x).mean(), device_type="gpu")(PARAMS, X) is None
+
+
+def test_find_overflow_in_a_dense_layer():
+    class Wide(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="lm_head", kernel_init=nn.initializers.constant(100.0))(x)
+
+    x = jnp.full((2, 8), 100.0)
+    params = Wide().init(jax.random.key(0), x)
+    finding = jamp.find_overflow(Wide().apply, device_type="gpu")(params, x)
+    assert (finding.primitive, finding.path) == ("dot_general", "Wide/lm_head")
+    assert "linear.py" in finding.source and "Wide/lm_head" in str(finding)
+
+
+def test_find_overflow_in_the_backward_pass():
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w)) * 1e6  # forward fine in float32 range, backward cotangents huge
+
+    finding = jamp.find_overflow(jax.grad(loss), device_type="gpu")(jnp.eye(8) * 0.01, X)
+    assert finding is not None and finding.kind == "overflow" and finding.primitive in ("mul", "dot_general")
+
+
+def test_find_overflow_underflow():
+    f = lambda w, x: (x * 1e-5) @ w  # noqa: E731
+    w = jnp.ones((8, 8)) * 1e-5
+    finding = jamp.find_overflow(f, device_type="gpu")(w, X)
+    assert finding.kind == "underflow" and finding.primitive == "dot_general"
+    assert jamp.find_overflow(f, device_type="gpu", min_underflow=1.0)(w, jnp.abs(X) + 1) is None
+
+
+def test_find_overflow_rejects_bad_threshold():
+    with pytest.raises(ValueError, match="min_underflow"):
+        jamp.find_overflow(lambda x: x, min_underflow=2)
+
+
+def test_linen_module_path_rules_innermost_wins():
+    policy = jamp.get_policy("cpu").with_rules({"Block*": "float32", "*/lm_head": "autocast"})
+    assert dtypes_of(jamp.autocast(Block().apply, policy=policy), PARAMS, X) == [
+        ("float32",) * 3, ("bfloat16",) * 3]
+
+
+class NNXModel(nnx.Module):
+    def __init__(self, rngs):
+        self.body = nnx.Linear(8, 16, rngs=rngs)
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.body(x))
+        with jax.named_scope("head"):  # NNX adds no name scopes itself: name the region you want
+            return self.head(h)
+
+
+def test_nnx_region_rule_by_name_scope_and_by_nested_autocast():
+    model = NNXModel(nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    apply = lambda s, x: nnx.merge(graphdef, s)(x)  # noqa: E731
+    policy = jamp.get_policy("cpu").with_rules({"head": "float32"})
+    assert dtypes_of(jamp.autocast(apply, policy=policy), state, X) == [("bfloat16",) * 3, ("float32",) * 3]
+
+    def apply_nested(s, x):
+        m = nnx.merge(graphdef, s)
+        return jamp.autocast(m.head, enabled=False)(jax.nn.relu(m.body(x)).astype(jnp.float32))
+
+    assert dtypes_of(jamp.autocast(apply_nested, dtype="bf16"), state, X) == [("bfloat16",) * 3, ("float32",) * 3]
