@@ -25,7 +25,7 @@ def _pallas(inv: jax.Array, *leaves: jax.Array, interpret: bool, donate: bool) -
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "donate"))
-def _run(inv: jax.Array, work: list, *, backend: str, donate: bool) -> tuple[list, jax.Array]:
+def _unscale_and_check(inv: jax.Array, work: list, *, backend: str, donate: bool) -> tuple[list, jax.Array]:
     """Jitted even when called eagerly, so sharded inputs always reach XLA's partitioner (see sharding.py)."""
     pallas = functools.partial(_pallas, interpret=backend == "interpret", donate=donate)
     if backend == "auto":
@@ -52,7 +52,7 @@ def unscale_and_check(grads: Any, inv_scale: Any, *, backend: str = "auto",
     picked = [i for i, g in enumerate(leaves) if _leaves.is_scaled(g)]
     if not picked:
         return grads, jnp.zeros((), jnp.bool_)
-    outs, found = _run(inv, [leaves[i] for i in picked], backend=backend, donate=donate)
+    outs, found = _unscale_and_check(inv, [leaves[i] for i in picked], backend=backend, donate=donate)
     for i, out in zip(picked, outs):
         leaves[i] = out
     return jax.tree.unflatten(treedef, leaves), found

@@ -2,10 +2,10 @@
 
 This is torch's ``multi_tensor_apply`` for ``_amp_foreach_non_finite_check_and_unscale_``: the grid runs
 over the blocks of every leaf in turn, each leaf keeps its own buffer and dtype (no concatenation, which
-would cost a copy), and a tree of ``cond``s on the program id picks the leaf a program works on. Every
-program writes one int32 flag; a tiny XLA reduction turns them into ``found_inf`` (deterministic, no
-zero-initialised atomic buffer). Triton runs on Ampere and newer; the default Mosaic GPU path of
-``pallas_call`` is Hopper-only, so ``CompilerParams`` from ``pallas.triton`` selects Triton explicitly.
+would cost a copy), and a binary tree of ``cond``s on the program id picks the leaf and block a program
+works on. Every program writes one int32 flag; a tiny XLA reduction turns them into ``found_inf``
+(deterministic, no zero-initialised atomic buffer). Triton runs on Ampere and newer; the default Mosaic
+GPU path of ``pallas_call`` is Hopper-only, so ``CompilerParams`` from ``pallas.triton`` selects Triton.
 """
 
 from __future__ import annotations
@@ -28,8 +28,12 @@ NUM_WARPS = 4
 
 MAX_LEAVES_PER_CALL = 64
 """Leaves per launch. Every leaf adds two pointer parameters (CUDA caps kernel parameters at 4 KiB, i.e.
-about 250 leaves) and one branch to the kernel (compile time; interpret mode copies every leaf's block at
-every step). Larger pytrees take ceil(L / 64) launches: 16 for a 1000-leaf model."""
+about 250 leaves) and one branch to the kernel (code size, compile time; the branch tree is log2(64) = 6
+deep). Larger pytrees take ceil(L / 64) launches: 16 for a 1000-leaf model."""
+
+_WHOLE = pl.BlockSpec(memory_space=pl.ANY)
+"""Leaves are passed whole: a program addresses its own block, so no program evaluates an index map
+for every leaf (Pallas computes all block offsets at kernel entry)."""
 
 
 class _Span(NamedTuple):
@@ -44,16 +48,13 @@ class _Span(NamedTuple):
 def _layout(leaves: Sequence[jax.Array]) -> tuple[_Span, ...]:
     spans, first = [], 0
     for g in leaves:
+        if g.size >= 2**31:
+            raise ValueError(f"the Pallas kernel indexes with int32; a leaf of {g.size} elements needs backend='xla'")
         block = min(BLOCK_BYTES // g.dtype.itemsize, pl.next_power_of_2(g.size))
         blocks = pl.cdiv(g.size, block)
         spans.append(_Span(g.size, block, first, blocks))
         first += blocks
     return tuple(spans)
-
-
-def _block_spec(span: _Span) -> pl.BlockSpec:
-    """Leaf blocks follow the program id inside the leaf's span and stay clamped to a valid block outside."""
-    return pl.BlockSpec((span.block,), lambda b: (jnp.clip(b - span.first, 0, span.blocks - 1),))
 
 
 def _leaf_block(span: _Span, x_ref, o_ref, inv, pid, masked: bool) -> jax.Array:
@@ -62,12 +63,13 @@ def _leaf_block(span: _Span, x_ref, o_ref, inv, pid, masked: bool) -> jax.Array:
     Only the ragged last block is masked: interpret mode pads it with NaN, a GPU load past the end reads
     garbage, and a store past the end corrupts memory. Full blocks stay unmasked so Triton can vectorise.
     """
+    start = pl.multiple_of((pid - span.first) * span.block, span.block)
+    window = pl.ds(start, span.block)
     mask = None
     if masked:
-        lane = lax.broadcasted_iota(jnp.int32, (span.block,), 0)
-        mask = (pid - span.first) * span.block + lane < span.size
-    x = plt.load(x_ref, mask=mask)
-    plt.store(o_ref, _leaves.scale(x, inv), mask=mask)
+        mask = start + lax.broadcasted_iota(jnp.int32, (span.block,), 0) < span.size
+    x = plt.load(x_ref.at[window], mask=mask)
+    plt.store(o_ref.at[window], _leaves.scale(x, inv), mask=mask)
     bad = jnp.logical_not(jnp.isfinite(x.astype(_leaves.opmath(x.dtype))))
     if mask is not None:
         bad = jnp.logical_and(bad, mask)
@@ -114,8 +116,8 @@ def _one_call(inv: jax.Array, leaves: Sequence[jax.Array], *, interpret: bool, d
         out_shape=[_out_struct(g.shape, g.dtype, [g]) for g in flat]
         + [_out_struct((programs,), jnp.int32, flat)],
         grid=(programs,),
-        in_specs=[pl.BlockSpec((1,), lambda b: (0,))] + [_block_spec(s) for s in spans],
-        out_specs=[_block_spec(s) for s in spans] + [pl.BlockSpec((1,), lambda b: (b,))],
+        in_specs=[pl.BlockSpec((1,), lambda b: (0,))] + [_WHOLE] * len(spans),
+        out_specs=[_WHOLE] * len(spans) + [pl.BlockSpec((1,), lambda b: (b,))],
         input_output_aliases={1 + i: i for i in range(len(flat))} if donate else {},
         compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
@@ -129,8 +131,7 @@ def unscale_and_check(inv: jax.Array, leaves: Sequence[jax.Array], *, interpret:
     """Unscale non-empty floating ``leaves`` by the float32 scalar ``inv``; return them and ``found_inf``.
 
     ``donate=True`` aliases each output to its input, which saves memory only when the caller donates the
-    gradients at its ``jit`` boundary (otherwise XLA copies them first). Leaves must have fewer than 2**31
-    elements (int32 lane indices).
+    gradients at its ``jit`` boundary (otherwise XLA copies them first).
     """
     outs, flags = [], []
     for start in range(0, len(leaves), MAX_LEAVES_PER_CALL):

@@ -44,15 +44,28 @@ def _shard_map(fn: LeafFn, inv: jax.Array, leaves: list) -> tuple[list, jax.Arra
 
 
 def _custom_partitioned(fn: LeafFn, inv: jax.Array, leaves: list) -> tuple[list, jax.Array]:
-    @custom_partitioning
-    def op(inv, *leaves):
+    def plain(inv, *leaves):
         outs, found = fn(inv, list(leaves))
         return (*outs, found)
 
+    op = custom_partitioning(plain)
+
     def shardings(mesh, arg_shapes):
-        """Each leaf's output keeps the leaf's sharding; inv_scale and the flag are replicated."""
+        """Each leaf's output keeps the leaf's sharding; inv_scale and the flag are replicated.
+
+        A leaf split unevenly is replicated instead: XLA pads its last shard, and the kernel would
+        read the padding (a false found_inf was observed).
+        """
         replicated = NamedSharding(mesh, P())
-        specs = [a.sharding for a in arg_shapes[1:]]
+
+        def even(a):
+            try:
+                a.sharding.shard_shape(a.shape)
+            except ValueError:
+                return replicated
+            return a.sharding
+
+        specs = [even(a) for a in arg_shapes[1:]]
         return (*specs, replicated), (replicated, *specs)
 
     def partition(mesh, arg_shapes, result_shape):
@@ -63,7 +76,17 @@ def _custom_partitioned(fn: LeafFn, inv: jax.Array, leaves: list) -> tuple[list,
     op.def_partition(partition=partition,
                      infer_sharding_from_operands=lambda mesh, args, result: shardings(mesh, args)[0],
                      sharding_rule=SdyShardingRule(operand_mappings=((), *dims), result_mappings=(*dims, ())))
-    *outs, found = op(inv, *leaves)
+
+    # custom_partitioning has no batching rule; under vmap, batch the plain kernel (pallas_call has one).
+    batchable = jax.custom_batching.custom_vmap(op)
+
+    @batchable.def_vmap
+    def _(axis_size, in_batched, *args):
+        in_axes = [0 if batched else None for batched in in_batched]
+        outs = jax.vmap(plain, in_axes=in_axes, axis_size=axis_size)(*args)
+        return outs, (True,) * len(outs)
+
+    *outs, found = batchable(inv, *leaves)
     return outs, found
 
 

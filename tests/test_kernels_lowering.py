@@ -26,13 +26,20 @@ def test_one_triton_launch_covers_every_leaf(backend):
     assert text.count(TRITON) == 1
 
 
+def test_lowers_under_vmap():
+    batch = {"w": jnp.ones((3, 1000)), "h": jnp.ones((3, 4097), jnp.float16)}
+    fn = jax.vmap(lambda g: jamp_kernels.unscale_and_check(g, 0.5, backend="pallas"))
+    assert cuda_text(fn, batch).count(TRITON) == 1
+
+
 def test_auto_lowers_xla_for_cpu():
     text = jax.jit(lambda g: jamp_kernels.unscale_and_check(g, 0.5)).lower(mixed_tree()).as_text()
     assert TRITON not in text
 
 
-def test_leaf_groups_bound_the_kernel_size():
-    leaves = [jnp.ones(3 + i) for i in range(2 * pallas_triton.MAX_LEAVES_PER_CALL + 1)]
+def test_leaf_groups_bound_the_kernel_size(monkeypatch):
+    monkeypatch.setattr(pallas_triton, "MAX_LEAVES_PER_CALL", 4)
+    leaves = [jnp.ones(3 + i) for i in range(9)]
     text = cuda_text(lambda g: jamp_kernels.unscale_and_check(g, 0.5, backend="pallas"), leaves)
     assert text.count(TRITON) == 3
 

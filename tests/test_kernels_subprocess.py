@@ -58,6 +58,13 @@ for mode in ("explicit", "auto"):
             "specs": [str(out["w"].sharding.spec), str(out["b"].sharding.spec)],
             "replicated_stays_replicated": out["r"].sharding.is_fully_replicated}
 
+# An unevenly split intermediate: XLA pads the last shard, which the kernel must not read.
+mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+fn = jax.jit(lambda x: jamp_kernels.unscale_and_check([jnp.sin(x)[:7]], INV, backend="interpret")[1],
+             in_shardings=NamedSharding(mesh, P("d")))
+x = np.ones(8, np.float32)
+report["uneven_flags"] = [bool(fn(np.where(np.arange(8) == i, np.nan, x))) for i in (7, 6)]
+
 # The kernel inside a user's shard_map: it returns the local flag, the caller reduces it.
 mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
 w = jax.device_put(host["w"], NamedSharding(mesh, P("d")))
@@ -100,6 +107,7 @@ def test_sharded_gradients_stay_sharded_on_8_devices():
     for backend in ("interpret", "xla"):
         r = report[f"shard_map/{backend}"]
         assert r["exact"] and not r["found_clean"] and r["found_bad"] and not r["all_gather"], (backend, r)
+    assert report["uneven_flags"] == [False, True]  # the NaN at index 7 is sliced away
     assert report["pmap_flags"] == [False, False, False, True, False, False, False, False]
     assert report["cuda"] == {"triton_calls": 1, "manual": True}
 
