@@ -15,31 +15,27 @@ import jax.numpy as jnp
 import optax
 
 import jamp_kernels
-from jamp import scaler_rule, scaler_state
+from jamp import scaler_rule, scaler_state, skip
 from jamp.scaler_state import DisabledScalerState, ScalerState
 
 _BACKENDS = ("auto", "xla", "pallas", "interpret")
 
 
-def _flag_first(grads, inv_scale, backend):
-    """XLA path: flag from the scaled grads, unscale inside the step branch so it fuses into ``inner``.
-
-    Unscaling before the ``cond`` would materialize a copy of every gradient (3x a bare Adam step on CPU).
-    """
-    return jamp_kernels.has_nonfinite(grads), grads, lambda g: jamp_kernels.unscale(g, inv_scale)
+def _xla(grads, inv_scale, backend):
+    """Plain jnp: XLA fuses the unscale into the optimizer's loops, so unscaled grads never hit memory."""
+    return jamp_kernels.unscale(grads, inv_scale), jamp_kernels.has_nonfinite(grads)
 
 
-def _fused(grads, inv_scale, backend):
-    """Kernel path: one pass unscales and checks; the step branch takes the unscaled grads as they are."""
-    unscaled, found_inf = jamp_kernels.unscale_and_check(grads, inv_scale, backend=backend)
-    return found_inf, unscaled, lambda g: g
+def _kernel(grads, inv_scale, backend):
+    """The fused unscale + check kernel (one pass over the grads, unscaled grads written out)."""
+    return jamp_kernels.unscale_and_check(grads, inv_scale, backend=backend)
 
 
 def _path(backend: str) -> Callable:
-    """backend -> how update() unscales and checks. "auto" is resolved when update() is traced."""
+    """backend -> how update() unscales and checks; "auto" is resolved when update() is traced."""
     if backend == "auto":
-        return _fused if jax.default_backend() == "gpu" else _flag_first
-    return _flag_first if backend == "xla" else _fused
+        return _kernel if jax.default_backend() == "gpu" else _xla
+    return _xla if backend == "xla" else _kernel
 
 
 def _combine(found_inf: jax.Array, axis_name: Hashable | None) -> jax.Array:
@@ -86,8 +82,9 @@ def scaler(
     the scale by torch's ``_amp_update_scale_`` rule (:mod:`jamp.scaler_rule`). Produce the scaled grads
     with ``jamp.scale(loss, opt_state)`` or ``jamp.value_and_grad``.
 
-    ``backend``: "xla" (check first, unscale fused into ``inner``), "pallas"/"interpret" (the fused
-    ``jamp_kernels.unscale_and_check``), "auto" (the kernel when the default backend is a GPU, else xla).
+    ``backend``: "xla" (jnp check and unscale, which XLA fuses into ``inner``), "pallas"/"interpret" (the
+    fused ``jamp_kernels.unscale_and_check``), "auto" (the kernel when the default backend is a GPU, else
+    xla). The skip is a select, not a ``lax.cond``: see :mod:`jamp.skip` for why that is the fast form.
     ``min_scale``/``max_scale`` are extras beyond torch, off by default. ``enabled=False`` applies ``inner``
     on every step, validates nothing but ``inner``, and makes ``jamp.scale`` the identity.
 
@@ -118,18 +115,10 @@ def scaler(
         )
 
     def update(grads: optax.Updates, state: ScalerState, params: optax.Params | None = None, **extra: Any):
-        inv_scale = jnp.float32(1.0) / state.scale  # == float32(1 / float64(scale)): see tests/test_scaler.py
-        found_inf, operand, unscale = _path(backend)(grads, inv_scale, backend)
+        inv_scale = jnp.float32(1.0) / state.scale  # == float32(1 / float64(scale)): tests/test_scaler_torch.py
+        unscaled, found_inf = _path(backend)(grads, inv_scale, backend)
         found_inf = _combine(jnp.asarray(found_inf, jnp.bool_), axis_name)
-
-        def step(g, inner_state):
-            return inner_tx.update(unscale(g), inner_state, params, **extra)
-
-        def skip(g, inner_state):
-            shapes = jax.eval_shape(step, g, inner_state)[0]
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state
-
-        updates, inner_state = jax.lax.cond(found_inf, skip, step, operand, state.inner_state)
+        updates, inner_state = skip.step_or_skip(inner_tx.update, found_inf, unscaled, state.inner_state, params, extra)
         scale, tracker = scaler_rule.next_scale(state, found_inf)
         return updates, state._replace(
             scale=scale, growth_tracker=tracker, found_inf=found_inf, inner_state=inner_state

@@ -108,7 +108,9 @@ def test_doc_trajectory_table_1_10():
 
     @jax.jit
     def step(params, state, bad):
-        loss = lambda p: jnp.sum(p["w"] * jnp.arange(4.0)) + p["b"][0]  # noqa: E731
+        def loss(p):
+            return jnp.sum(p["w"] * jnp.arange(4.0)) + p["b"][0]
+
         g = jax.grad(lambda p: jamp.scale(loss(p), state))(params)
         g["w"] = g["w"].at[0, 0].add(bad)  # + inf or + nan, as torch's test writes into the grad
         updates, state = tx.update(g, state, params)
@@ -136,8 +138,13 @@ def test_doc_growth_interval_1_doubles_every_step():
 
 def test_update_kernel_matches_torch_amp_update_scale():
     cases = GOLDENS["update_kernel"]
-    col = lambda k, dt: jnp.asarray(np.array([c[k] for c in cases], dt))  # noqa: E731
-    words = lambda k: jnp.asarray(np.stack([exact_mul.to_words(c[k]) for c in cases]))  # noqa: E731
+
+    def col(k, dt):
+        return jnp.asarray(np.array([c[k] for c in cases], dt))
+
+    def words(k):
+        return jnp.asarray(np.stack([exact_mul.to_words(c[k]) for c in cases]))
+
     n = len(cases)
     state = jamp.ScalerState(
         scale=col("scale", np.float32), growth_tracker=col("tracker", np.int32),

@@ -1,0 +1,83 @@
+"""jamp.skip: the select-where-produced evaluation must equal ``inner`` exactly, for any inner."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jamp
+
+PARAMS = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.arange(4.0)}
+GRADS = {"w": jnp.cos(jnp.arange(12.0)).reshape(3, 4), "b": jnp.ones(4)}
+BAD = {**GRADS, "b": GRADS["b"].at[2].set(jnp.nan)}
+
+
+def odd_state_inner():
+    """State outputs that are duplicated, passed through, constant, and computed in a nested jit."""
+
+    def init(p):
+        return (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), jnp.ones(()), jnp.zeros(()), jnp.zeros(()))
+
+    @jax.jit
+    def nested(g, n):
+        return jax.tree.map(lambda x: x * n, g), n + 1.0
+
+    def update(g, s, p=None):
+        n = s[0] + 1
+        u, acc = nested(g, s[3])
+        return u, (n, n, s[2], acc, jnp.zeros(()))
+
+    return optax.GradientTransformation(init, update)
+
+
+def jitted_adam():
+    adam = optax.adam(1e-2)
+    return optax.GradientTransformation(adam.init, jax.jit(adam.update))
+
+
+INNERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "jitted_update": jitted_adam,
+    "inner_with_cond": lambda: optax.apply_if_finite(optax.adamw(1e-2), 3),
+    "inner_with_scan": lambda: optax.chain(optax.scale_by_lbfgs(memory_size=3), optax.scale(-1e-2)),
+    "odd_state": odd_state_inner,
+}
+
+
+@pytest.mark.parametrize("name", INNERS)
+def test_step_equals_inner_and_skip_keeps_everything(name):
+    inner, tx = INNERS[name](), jamp.scaler(INNERS[name](), init_scale=4.0)
+    update, inner_update = jax.jit(tx.update), jax.jit(inner.update)
+    state, inner_state = tx.init(PARAMS), inner.init(PARAMS)
+    for grads in (GRADS, BAD, GRADS, BAD, BAD, GRADS):
+        scaled = jax.tree.map(lambda g, s=state.scale: g * s, grads)  # the scale halves on each skip: exact
+        updates, new_state = update(scaled, state, PARAMS)
+        if grads is BAD:
+            chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
+            chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+        else:
+            expected, inner_state = inner_update(grads, inner_state, PARAMS)
+            chex.assert_trees_all_close(updates, expected, rtol=1e-6, atol=0)
+            chex.assert_trees_all_close(new_state.inner_state, inner_state, rtol=1e-6, atol=0)
+        state = new_state
+
+
+def test_array_and_static_extra_args():
+    def update(u, s, params=None, *, factor, sign):
+        return jax.tree.map(lambda g: sign * factor * g, u), s
+
+    tx = jamp.scaler(optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update), init_scale=1.0)
+    updates, _ = jax.jit(tx.update, static_argnames="sign")(GRADS, tx.init(PARAMS), None, factor=jnp.float32(2.0),
+                                                            sign=-1)
+    np.testing.assert_array_equal(updates["b"], -2.0 * np.ones(4))
+
+
+def test_inner_that_changes_its_state_dtype_is_rejected():
+    changes = optax.GradientTransformation(lambda p: jnp.zeros((), jnp.int32),
+                                           lambda u, s, p=None: (u, jnp.zeros((), jnp.float32)))
+    with pytest.raises(TypeError, match="changed a state leaf from int32"):
+        jamp.scaler(changes).update(GRADS, jamp.scaler(changes).init(PARAMS))
