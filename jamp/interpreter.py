@@ -102,8 +102,12 @@ class Call:
         return self.eqn.params
 
     def bind(self, invals=None, **param_updates):
-        self.bound = self.invals if invals is None else invals
-        return self.eqn.primitive.bind(*self.bound, **{**self.eqn.params, **param_updates})
+        return self.bind_with(self.invals if invals is None else invals, {**self.eqn.params, **param_updates})
+
+    def bind_with(self, invals, params: dict):
+        """Bind with exactly ``params`` (higher-order primitives pass ``get_bind_params`` output)."""
+        self.bound = invals
+        return self.eqn.primitive.bind(*invals, **params)
 
     def recorded_dtype(self, i: int):
         return self.eqn.invars[i].aval.dtype

@@ -70,7 +70,7 @@ def test_conv_bias_from_flax_stays_in_compute_dtype():
 
 @pytest.mark.parametrize("fn,prim", [
     (jnp.exp, "exp"), (jnp.log, "log"), (jnp.log1p, "log1p"), (jnp.expm1, "expm1"),
-    (lambda x: x ** 3.5, "pow"), (lambda x: x ** 2, "integer_pow"), (jax.lax.rsqrt, "rsqrt"),
+    (lambda x: x ** 3.5, "pow"), (jax.lax.rsqrt, "rsqrt"),
     (jnp.sum, "reduce_sum"), (lambda x: jnp.cumsum(x, 0), "cumsum"), (jnp.sinh, "sinh"),
 ])
 def test_float32_list_on_gpu_passthrough_on_cpu(fn, prim):
@@ -79,6 +79,28 @@ def test_float32_list_on_gpu_passthrough_on_cpu(fn, prim):
 
     assert last_dtype(f, X, W, primitive=prim, device_type="gpu") == F32
     assert last_dtype(f, X, W, primitive=prim, device_type="cpu") == BF16
+
+
+def test_integer_powers_keep_the_input_dtype_so_gelu_stays_low():
+    f = lambda x, w: jax.nn.gelu(x @ w) ** 2  # noqa: E731
+    for device_type, low in (("gpu", F16), ("cpu", BF16)):
+        assert {d[-1] for d in dtypes_of(jamp.autocast(f, device_type=device_type), X, W,
+                                         primitive="integer_pow")} == {low}
+        assert last_dtype(f, X, W, primitive="tanh", device_type=device_type) == low
+
+
+def test_scalar_literal_that_does_not_fit_the_low_dtype_promotes():
+    f = lambda w, h: (h @ w) * 1e5  # noqa: E731
+    h = jnp.full((4, 4), 1e-3)
+    out = jamp.autocast(f, device_type="gpu")(jnp.eye(4), h)
+    np.testing.assert_allclose(out, f(jnp.eye(4), h), rtol=1e-3)
+    assert last_dtype(f, jnp.eye(4), h, primitive="mul", device_type="gpu") == F32
+    assert last_dtype(lambda w, h: (h @ w) * 2.0, jnp.eye(4), h, primitive="mul", device_type="gpu") == F16
+
+
+def test_stop_gradient_keeps_softmax_in_the_input_dtype_on_cpu():
+    f = lambda x, w: jax.nn.softmax(x @ w)  # noqa: E731
+    assert last_dtype(f, X, W, primitive="exp", device_type="cpu") == BF16
 
 
 def test_prod_is_float32_on_both_lists():

@@ -51,6 +51,17 @@ def test_explain_flop_share_counts_float32_regions():
     assert report.summary["low_precision_flop_share"] == pytest.approx(256 / (256 + 128))
 
 
+def test_explain_reports_what_custom_vjp_ran_on():
+    @jax.custom_vjp
+    def f(a):
+        return a * 2
+
+    f.defvjp(lambda a: (a * 2, None), lambda _, g: (g * 2,))
+    report = jamp.explain(lambda w, x: f(x @ w), dtype="bf16")(jnp.eye(8), X)
+    row = next(r for r in report.rows if r.primitive == "custom_vjp_call")
+    assert row.arrived_dtypes == ("bfloat16",) and row.ran_dtypes == ("float32",) and row.casts == 1
+
+
 def test_explain_renders_and_exports():
     report = jamp.explain(Block().apply, device_type="cpu")(PARAMS, X)
     text = str(report)
@@ -76,9 +87,10 @@ def test_find_overflow_points_at_the_op_and_its_source_line():
 
     finding = jamp.find_overflow(loss, device_type="gpu")(PARAMS, X)
     assert finding is not None and finding.kind == "overflow"
-    assert (finding.primitive, finding.path, finding.output_dtype) == ("mul", "Block", "float16")
-    assert "test_precision_tools.py" in finding.source and "Block.__call__" in finding.source
-    assert finding.input_dtypes == ("float16", "float16") and finding.float32_max_abs > 65504
+    # 1e5 does not fit float16, so the multiply runs in float32; its result overflows in lm_head's matmul
+    assert (finding.primitive, finding.path, finding.output_dtype) == ("dot_general", "Block/lm_head", "float16")
+    assert "linear.py" in finding.source and "Dense.__call__" in finding.source
+    assert finding.input_dtypes == ("float16", "float16") and finding.bad_elements == finding.total_elements
     # bfloat16 has float32's range: nothing overflows there
     assert jamp.find_overflow(loss, device_type="cpu")(PARAMS, X) is None
     # and an unscaled model is clean

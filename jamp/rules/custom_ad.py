@@ -47,7 +47,7 @@ def custom_jvp(call: Call):
         return new.jaxpr, new.consts, out_zeros
 
     params = {**p, jc.CALL_JAXPR: new_call, jc.JVP_THUNK: _memoized_thunk(original, build)}
-    return call.eqn.primitive.bind(*call.invals, **call.eqn.primitive.get_bind_params(params))
+    return call.bind_with(call.invals, call.eqn.primitive.get_bind_params(params))
 
 
 def _preserving(closed, ctx):
@@ -84,5 +84,4 @@ def custom_vjp(call: Call):
     params = {**p, jc.CALL_JAXPR: _preserving(p[jc.CALL_JAXPR], ctx),
               jc.FWD_THUNK: _memoized_thunk(fwd_original, build_fwd),
               jc.BWD: _autocast_bwd(p[jc.BWD], ctx)}
-    prim = call.eqn.primitive
-    return prim.bind(*call.cast_to_recorded(), **prim.get_bind_params(params))
+    return call.bind_with(call.cast_to_recorded(), call.eqn.primitive.get_bind_params(params))

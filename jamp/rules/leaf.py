@@ -63,6 +63,16 @@ def _bias_target(call: Call, float_idx: list[int]):
     return None
 
 
+def _literal_fits(call: Call, i: int, dtype) -> bool:
+    """A scalar literal that overflows or flushes to zero in ``dtype`` must not be rounded into it
+    (``h_f16 * 1e5``): torch computes tensor-scalar ops in float32 and would not lose it either."""
+    if not isinstance(call.eqn.invars[i], Literal):
+        return True
+    value = np.asarray(call.invals[i], np.float64)
+    rounded = value.astype(dtype).astype(np.float64)
+    return not ((np.isfinite(value) & ~np.isfinite(rounded)) | ((value != 0) & (rounded == 0))).any()
+
+
 def promote(call: Call):
     """Cast floating inputs to the widest one (array operands only, when there are any)."""
     float_idx = [i for i, x in enumerate(call.invals) if is_float(x)]
@@ -70,6 +80,8 @@ def promote(call: Call):
         return call.bind()
     array_idx = [i for i in float_idx if _is_array_operand(call, i)] or float_idx
     target = _bias_target(call, float_idx) or widest(call.invals[i].dtype for i in array_idx)
+    if is_low(target) and not all(_literal_fits(call, i, target) for i in float_idx):
+        target = FLOAT32
     invals = [call.env.cast(x, target) if i in float_idx and is_eligible(x.dtype) else x
               for i, x in enumerate(call.invals)]
     if len({invals[i].dtype for i in float_idx}) > 1:

@@ -17,7 +17,6 @@ def shard_map(call: Call):
     def body(*args):
         return _cast_outputs(evaluate(jaxpr, (), args, ctx), out_dtypes)
 
-    prim = call.eqn.primitive
-    params = prim.get_bind_params(call.params)
+    params = call.eqn.primitive.get_bind_params(call.params)
     params["subfuns"] = (jc.shard_map_body(call.params[jc.SHARD_MAP_OUT_SPECS], body),)
-    return prim.bind(*call.cast_to_recorded(), **params)
+    return call.bind_with(call.cast_to_recorded(), params)
