@@ -115,7 +115,8 @@ def scaler(
         )
 
     def update(grads: optax.Updates, state: ScalerState, params: optax.Params | None = None, **extra: Any):
-        inv_scale = jnp.float32(1.0) / state.scale  # == float32(1 / float64(scale)): tests/test_scaler_torch.py
+        # == float32(1 / float64(scale)) (tests/test_scaler_torch.py), kept normal above 2**126
+        inv_scale = jamp_kernels.inverse(state.scale)
         unscaled, found_inf = _path(backend)(grads, inv_scale, backend)
         found_inf = _combine(jnp.asarray(found_inf, jnp.bool_), axis_name)
         updates, inner_state = skip.step_or_skip(inner_tx.update, found_inf, unscaled, state.inner_state, params, extra)

@@ -31,19 +31,43 @@ def opmath(dtype: Any) -> Any:
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
-def inv_scale_scalar(inv_scale: Any) -> jax.Array:
-    """``inv_scale`` as a float32 scalar (torch keeps it as a one-element float32 tensor)."""
+def inv_scale_pair(inv_scale: Any) -> jax.Array:
+    """``inv_scale`` as float32 ``[factor, power_of_two]`` whose product is the inverse scale.
+
+    A scalar means ``[inv_scale, 1]``. The pair form (see :func:`inverse`) carries inverses below
+    float32's normal range, which XLA would flush to zero the moment they were computed.
+    """
     inv = jnp.asarray(inv_scale, jnp.float32)
-    if inv.size != 1:
-        raise ValueError(f"inv_scale must hold exactly one value, got shape {inv.shape}")
-    return inv.reshape(())
+    if inv.size == 1:
+        return jnp.stack([inv.reshape(()), jnp.float32(1.0)])
+    if inv.shape != (2,):
+        raise ValueError(f"inv_scale must be a scalar or a [factor, power_of_two] pair, got shape {inv.shape}")
+    return inv
 
 
-def scale(x: jax.Array, inv: jax.Array) -> jax.Array:
-    """One leaf (or block) times ``inv`` in opmath, rounded once; ``inv == 1`` returns ``x`` bit for bit.
+_SHIFT = 2.0**64
 
-    The select keeps subnormals when ``inv == 1`` although XLA:CPU flushes them in arithmetic, as torch's
-    ``(inv_scale == 1) ? val : val * inv_scale`` does.
+
+def inverse(scale: Any) -> jax.Array:
+    """The inverse of a loss scale as an ``inv_scale`` pair, exact where torch's ``1/scale`` is normal.
+
+    Above 2**126 torch's float32 reciprocal is subnormal, and XLA flushes subnormals to zero, which would
+    zero every gradient (a scale that only grows reaches that range after ~110 growths). There the pair is
+    ``[float32(2**64 / scale), 2**-64]``: the same value at full float32 precision.
+    """
+    scale = jnp.asarray(scale, jnp.float32)
+    big = scale > 2.0**126
+    factor = jnp.where(big, jnp.float32(_SHIFT), jnp.float32(1.0)) / scale
+    return jnp.stack([factor, jnp.where(big, jnp.float32(1 / _SHIFT), jnp.float32(1.0))])
+
+
+def scale(x: jax.Array, factor: jax.Array, power_of_two: jax.Array) -> jax.Array:
+    """One leaf (or block) times ``factor * power_of_two`` in opmath, rounded once (the power of two is
+    exact); an inverse of exactly 1 returns ``x`` bit for bit.
+
+    The select keeps subnormals when the inverse is 1 although XLA:CPU flushes them in arithmetic, as
+    torch's ``(inv_scale == 1) ? val : val * inv_scale`` does.
     """
     op = opmath(x.dtype)
-    return jnp.where(inv == 1, x, (x.astype(op) * inv.astype(op)).astype(x.dtype))
+    scaled = x.astype(op) * factor.astype(op) * power_of_two.astype(op)
+    return jnp.where((factor == 1) & (power_of_two == 1), x, scaled.astype(x.dtype))

@@ -39,7 +39,8 @@ def unscale_and_check(grads: Any, inv_scale: Any, *, backend: str = "auto",
                       donate: bool = False) -> tuple[Any, jax.Array]:
     """Return ``(unscaled_grads, found_inf)``, torch's ``_amp_foreach_non_finite_check_and_unscale_``.
 
-    Floating leaves are multiplied by ``inv_scale`` in float32 (float64 leaves in float64) and rounded
+    ``inv_scale`` is a scalar or a ``[factor, power_of_two]`` pair from :func:`inverse` (which keeps the
+    inverse of scales above 2**126 from flushing to zero). Floating leaves are multiplied by it in float32 (float64 leaves in float64) and rounded
     once; integer, bool and empty leaves pass through. ``found_inf`` is a scalar bool, True when any
     *input* element is inf or NaN. ``backend``: "auto" (the Pallas kernel on CUDA, XLA elsewhere, chosen
     when lowering), "xla", "pallas" (Triton), "interpret" (the Pallas kernel interpreted, for CPU tests).
@@ -48,7 +49,7 @@ def unscale_and_check(grads: Any, inv_scale: Any, *, backend: str = "auto",
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     leaves, treedef = _leaves.flatten(grads)
-    inv = _leaves.inv_scale_scalar(inv_scale)
+    inv = _leaves.inv_scale_pair(inv_scale)
     picked = [i for i, g in enumerate(leaves) if _leaves.is_scaled(g)]
     if not picked:
         return grads, jnp.zeros((), jnp.bool_)

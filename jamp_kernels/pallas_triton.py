@@ -69,7 +69,7 @@ def _leaf_block(span: _Span, x_ref, o_ref, inv, pid, masked: bool) -> jax.Array:
     if masked:
         mask = start + lax.broadcasted_iota(jnp.int32, (span.block,), 0) < span.size
     x = plt.load(x_ref.at[window], mask=mask)
-    plt.store(o_ref.at[window], _leaves.scale(x, inv), mask=mask)
+    plt.store(o_ref.at[window], _leaves.scale(x, *inv), mask=mask)
     bad = jnp.logical_not(jnp.isfinite(x.astype(_leaves.opmath(x.dtype))))
     if mask is not None:
         bad = jnp.logical_and(bad, mask)
@@ -98,7 +98,7 @@ def _select_leaf(pid, spans, x_refs, o_refs, inv) -> jax.Array:
 def _kernel(inv_ref, *refs, spans: tuple[_Span, ...]):
     n = len(spans)
     x_refs, o_refs, flag_ref = refs[:n], refs[n:2 * n], refs[2 * n]
-    flag_ref[0] = _select_leaf(pl.program_id(0), spans, x_refs, o_refs, inv_ref[0])
+    flag_ref[0] = _select_leaf(pl.program_id(0), spans, x_refs, o_refs, (inv_ref[0], inv_ref[1]))
 
 
 def _out_struct(shape, dtype, like: Sequence[jax.Array]) -> jax.ShapeDtypeStruct:
@@ -116,19 +116,20 @@ def _one_call(inv: jax.Array, leaves: Sequence[jax.Array], *, interpret: bool, d
         out_shape=[_out_struct(g.shape, g.dtype, [g]) for g in flat]
         + [_out_struct((programs,), jnp.int32, flat)],
         grid=(programs,),
-        in_specs=[pl.BlockSpec((1,), lambda b: (0,))] + [_WHOLE] * len(spans),
+        in_specs=[pl.BlockSpec((2,), lambda b: (0,))] + [_WHOLE] * len(spans),
         out_specs=[_WHOLE] * len(spans) + [pl.BlockSpec((1,), lambda b: (b,))],
         input_output_aliases={1 + i: i for i in range(len(flat))} if donate else {},
         compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
         name="jamp_unscale_and_check",
-    )(inv.reshape(1), *flat)
+    )(inv, *flat)
     return [o.reshape(g.shape) for o, g in zip(outs, leaves)], jnp.max(flags) > 0
 
 
 def unscale_and_check(inv: jax.Array, leaves: Sequence[jax.Array], *, interpret: bool = False,
                       donate: bool = False) -> tuple[list[jax.Array], jax.Array]:
-    """Unscale non-empty floating ``leaves`` by the float32 scalar ``inv``; return them and ``found_inf``.
+    """Unscale non-empty floating ``leaves`` by the float32 ``[factor, power_of_two]`` pair ``inv``; return
+    them and ``found_inf``.
 
     ``donate=True`` aliases each output to its input, which saves memory only when the caller donates the
     gradients at its ``jit`` boundary (otherwise XLA copies them first).

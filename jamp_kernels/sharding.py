@@ -75,7 +75,7 @@ def _custom_partitioned(fn: LeafFn, inv: jax.Array, leaves: list) -> tuple[list,
     dims = [tuple(f"leaf{i}_dim{d}" for d in range(g.ndim)) for i, g in enumerate(leaves)]
     op.def_partition(partition=partition,
                      infer_sharding_from_operands=lambda mesh, args, result: shardings(mesh, args)[0],
-                     sharding_rule=SdyShardingRule(operand_mappings=((), *dims), result_mappings=(*dims, ())))
+                     sharding_rule=SdyShardingRule(operand_mappings=(("inv_pair",), *dims), result_mappings=(*dims, ())))
 
     # custom_partitioning has no batching rule; under vmap, batch the plain kernel (pallas_call has one).
     batchable = jax.custom_batching.custom_vmap(op)

@@ -11,10 +11,12 @@ from jamp_kernels import _leaves
 
 
 def unscale(grads: Any, inv_scale: Any) -> Any:
-    """Multiply every floating leaf by ``inv_scale`` in its opmath type and round once to its dtype."""
+    """Multiply every floating leaf by ``inv_scale`` (a scalar or an :func:`inverse` pair) in its opmath
+    type and round once to its dtype."""
     leaves, treedef = _leaves.flatten(grads)
-    inv = _leaves.inv_scale_scalar(inv_scale)
-    return jax.tree.unflatten(treedef, [_leaves.scale(g, inv) if _leaves.is_scaled(g) else g for g in leaves])
+    inv = _leaves.inv_scale_pair(inv_scale)
+    return jax.tree.unflatten(treedef, [_leaves.scale(g, inv[0], inv[1]) if _leaves.is_scaled(g) else g
+                                        for g in leaves])
 
 
 def has_nonfinite(grads: Any) -> jax.Array:

@@ -44,7 +44,7 @@ BAD_INPUTS = [
     ("kernel non-array leaf", lambda: jamp_kernels.unscale_and_check({"w": 1.0}, 1.0), TypeError, r"grads\['w'\]"),
     ("kernel complex leaf", lambda: jamp_kernels.unscale_and_check({"w": jnp.ones(2, jnp.complex64)}, 1.0),
      TypeError, r"grads\['w'\].*complex"),
-    ("kernel inv_scale shape", lambda: jamp_kernels.unscale_and_check(GRADS, jnp.ones(2)), ValueError, r"inv_scale"),
+    ("kernel inv_scale shape", lambda: jamp_kernels.unscale_and_check(GRADS, jnp.ones(3)), ValueError, r"inv_scale"),
     # scaler hyperparameters
     ("growth_factor <= 1", lambda: jamp.scaler(optax.sgd(0.1), growth_factor=1.0), ValueError, r"growth_factor"),
     ("backoff_factor >= 1", lambda: jamp.scaler(optax.sgd(0.1), backoff_factor=1.0), ValueError, r"backoff_factor"),

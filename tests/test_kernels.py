@@ -176,7 +176,21 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="complex"):
         jamp_kernels.unscale_and_check([jnp.ones(2, jnp.complex64)], 0.5)
     with pytest.raises(ValueError, match="inv_scale"):
-        jamp_kernels.unscale_and_check([jnp.ones(2)], jnp.ones(2))
+        jamp_kernels.unscale_and_check([jnp.ones(2)], jnp.ones(3))
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("scale", [2.0**16, 3.0, 2.0**126, 2.0**127, 3.0e38])
+def test_inverse_pair_unscales_scales_whose_reciprocal_is_subnormal(backend, scale):
+    """torch's float32 1/scale is subnormal above 2**126 and XLA would flush it (zeroing every gradient)."""
+    grads = [jnp.array([1.0, -0.5, 2.0**-3], jnp.float32) * jnp.float32(scale)]
+    out, found = jamp_kernels.unscale_and_check(grads, jamp_kernels.inverse(scale), backend=backend)
+    expected = np.asarray(grads[0], np.float64) / np.float64(np.float32(scale))
+    np.testing.assert_allclose(np.asarray(out[0], np.float64), expected, rtol=2**-23)
+    assert not bool(found)
+    if scale <= 2.0**126:  # normal range: bit-identical to the plain float32 reciprocal, as torch
+        plain, _ = jamp_kernels.unscale_and_check(grads, jnp.float32(1.0) / jnp.float32(scale), backend=backend)
+        np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(plain[0]))
 
 
 def test_importing_the_kernels_does_not_import_jamp():
