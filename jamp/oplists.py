@@ -105,7 +105,10 @@ OP_TABLE: tuple[OpRow, ...] = (
     _row("dynamic_update_slice pad", PROMOTE, PROMOTE, "index_copy (CPU promote), pad",
          "the update/padding value must match the operand"),
     # ---- passthrough: run in whatever dtype arrives ----------------------------------------
-    _row("neg abs sign floor ceil round is_finite sqrt cbrt square tanh logistic sin cos atan "
+    _row("square", FLOAT32, PASSTHROUGH, "pow.Tensor_Scalar(x, 2), the squares of layer_norm/var/norm",
+         "CUDA: fp32 (pow); float16 squares overflow past |x| = 256, e.g. in a layer norm that no region "
+         "rule covers (flax NNX adds no module scopes)"),
+    _row("neg abs sign floor ceil round is_finite sqrt cbrt tanh logistic sin cos atan "
          "asinh acosh atanh erf erfc real imag conj", PASSTHROUGH, PASSTHROUGH,
          "relu, gelu, sigmoid, tanh, sqrt, abs, ... (not listed: run in the input dtype)",
          "elementwise ops without a list entry run in the input dtype, as in torch"),

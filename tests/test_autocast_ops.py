@@ -71,7 +71,7 @@ def test_conv_bias_from_flax_stays_in_compute_dtype():
 @pytest.mark.parametrize("fn,prim", [
     (jnp.exp, "exp"), (jnp.log, "log"), (jnp.log1p, "log1p"), (jnp.expm1, "expm1"),
     (lambda x: x ** 3.5, "pow"), (jax.lax.rsqrt, "rsqrt"),
-    (jnp.sum, "reduce_sum"), (lambda x: jnp.cumsum(x, 0), "cumsum"), (jnp.sinh, "sinh"),
+    (jnp.sum, "reduce_sum"), (lambda x: jnp.cumsum(x, 0), "cumsum"), (jnp.sinh, "sinh"), (jnp.square, "square"),
 ])
 def test_float32_list_on_gpu_passthrough_on_cpu(fn, prim):
     def f(x, w):
@@ -101,6 +101,15 @@ def test_scalar_literal_that_does_not_fit_the_low_dtype_promotes():
 def test_stop_gradient_keeps_softmax_in_the_input_dtype_on_cpu():
     f = lambda x, w: jax.nn.softmax(x @ w)  # noqa: E731
     assert last_dtype(f, X, W, primitive="exp", device_type="cpu") == BF16
+
+
+def test_nnx_layernorm_without_a_scope_does_not_overflow_on_gpu():
+    from flax import nnx
+
+    norm = nnx.LayerNorm(4, rngs=nnx.Rngs(0))
+    x = jnp.array([[-300.0, 300.0, 300.0, 300.0]])
+    f = lambda m, x: m(x @ jnp.eye(4))  # noqa: E731
+    np.testing.assert_allclose(jamp.autocast(f, device_type="gpu")(norm, x), f(norm, x), rtol=1e-2, atol=1e-2)
 
 
 def test_prod_is_float32_on_both_lists():
