@@ -38,11 +38,29 @@ def _path(backend: str) -> Callable:
     return _xla if backend == "xla" else _kernel
 
 
-def _combine(found_inf: jax.Array, axis_name: Hashable | None) -> jax.Array:
-    """Every replica along ``axis_name`` takes the same decision (torch's ShardedGradScaler all-reduce)."""
+def _combine(found_inf: jax.Array, axis_name: Hashable | tuple | None) -> jax.Array:
+    """Every replica along ``axis_name`` takes the same decision (torch's ShardedGradScaler all-reduce).
+
+    A name that is not bound, or gradients that still vary over a manual axis ``axis_name`` leaves out,
+    would give some replicas another decision: both are errors at trace time that say what to pass.
+    """
     if axis_name is None:
         return found_inf
-    return jax.lax.psum(found_inf.astype(jnp.int32), axis_name) > 0
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    for name in names:
+        try:
+            jax.lax.axis_size(name)
+        except NameError:
+            raise NameError(
+                f"jamp.scaler(axis_name={axis_name!r}): axis {name!r} is not bound where tx.update is traced; "
+                "axis_name names the pmap axis or the shard_map mesh axes the gradients vary over; under "
+                "jax.jit with sharded arrays leave axis_name=None") from None
+    combined = jax.lax.psum(found_inf.astype(jnp.int32), axis_name) > 0
+    varying = jax.typeof(combined).manual_axis_type.varying
+    if varying:
+        raise ValueError(f"jamp.scaler(axis_name={axis_name!r}): the gradients also vary over {sorted(varying)}; "
+                         f"pass axis_name={names + tuple(sorted(varying))!r}")
+    return combined
 
 
 def _check_inner(inner: tuple) -> optax.GradientTransformationExtraArgs:
@@ -69,7 +87,7 @@ def scaler(
     backoff_factor: float = 0.5,
     growth_interval: int = 2000,
     enabled: bool = True,
-    axis_name: Hashable | None = None,
+    axis_name: Hashable | tuple | None = None,
     backend: str = "auto",
     min_scale: float | None = None,
     max_scale: float | None = None,

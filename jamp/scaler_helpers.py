@@ -37,15 +37,16 @@ def scale(loss_or_tree: Any, opt_state: Any) -> Any:
 
 
 def get_scale(opt_state: Any) -> jax.Array:
-    """The current scale as a float32 array (1.0 when disabled); ``float(...)`` it for torch's Python float."""
+    """The current scale as a float32 array (1.0 when disabled); ``float(...)`` it for torch's Python float.
+    Also unwraps the variables of an ``nnx.Optimizer``'s state."""
     st = scaler_state.find(opt_state)
-    return jnp.ones((), jnp.float32) if isinstance(st, DisabledScalerState) else st.scale
+    return jnp.ones((), jnp.float32) if isinstance(st, DisabledScalerState) else jnp.asarray(st.scale)
 
 
 def found_inf(opt_state: Any) -> jax.Array:
     """True when the last update saw inf/NaN and skipped ``inner`` (always False when disabled)."""
     st = scaler_state.find(opt_state)
-    return jnp.zeros((), jnp.bool_) if isinstance(st, DisabledScalerState) else st.found_inf
+    return jnp.zeros((), jnp.bool_) if isinstance(st, DisabledScalerState) else jnp.asarray(st.found_inf)
 
 
 def set_scale(opt_state: Any, new_scale: Any) -> Any:

@@ -1,0 +1,82 @@
+"""The Flax NNX pattern: autocast the model call, keep the logits layer in float32 by a named scope,
+train with ``nnx.Optimizer`` around ``jamp.scaler``.
+
+    python examples/flax_nnx.py [--steps 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import jamp
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(32, 128, rngs=rngs)
+        self.norm = nnx.LayerNorm(128, rngs=rngs)
+        self.head = nnx.Linear(128, 10, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = jax.nn.relu(self.hidden(x))
+        # NNX adds no name scopes of its own, so region rules need explicit ones. Without this scope the
+        # norm follows the per-op rules: float32 sums, but x**2 in float16 (inf once |x| > 256).
+        with jax.named_scope("LayerNorm"):  # the GPU policy's built-in "LayerNorm*" rule: float32
+            x = self.norm(x)
+        with jax.named_scope("head"):  # our rule below: float32 logits
+            return self.head(x)
+
+
+# torch's CUDA op lists (float16 matmuls; softmax and loss in float32) plus everything under "head" in float32.
+POLICY = jamp.get_policy("gpu").with_rules({"head": "float32"})
+amp_call = jamp.autocast(lambda model, x: model(x), policy=POLICY)
+
+
+def loss_fn(model: MLP, x: jax.Array, y: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(amp_call(model, x), y).mean()
+
+
+@nnx.jit
+def train_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
+    def scaled_loss(model):  # torch: scaler.scale(loss).backward()
+        loss = loss_fn(model, x, y)
+        return jamp.scale(loss, optimizer.opt_state), loss
+
+    (_, loss), grads = nnx.value_and_grad(scaled_loss, has_aux=True)(model)
+    optimizer.update(model, grads)  # jamp.scaler inside: unscale, skip on inf/NaN, update the scale
+    return loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=100)
+    steps = parser.parse_args().steps
+
+    x = jax.random.normal(jax.random.key(1), (256, 32))
+    y = jnp.argmax(x[:, :10], axis=-1)  # a learnable toy target: the largest of the first ten features
+    model = MLP(nnx.Rngs(0))  # parameters stay float32; autocast casts per op
+    optimizer = nnx.Optimizer(model, jamp.scaler(optax.adam(1e-3)), wrt=nnx.Param)
+
+    for i in range(steps):
+        loss = train_step(model, optimizer, x, y)
+        if i % max(1, steps // 5) == 0 or i == steps - 1:
+            # nnx.Optimizer keeps its state leaves in OptArray variables: [...] reads the array.
+            scale, skipped = jamp.get_scale(optimizer.opt_state)[...], jamp.found_inf(optimizer.opt_state)[...]
+            print(f"step {i:4d}  loss {float(loss):.4f}  scale {float(scale):g}  skipped {bool(skipped)}")
+
+    report = jamp.explain(lambda model, x: model(x), policy=POLICY)(model, x)
+    for path in sorted({row.path for row in report.rows}):
+        ran = {d for row in report.rows if row.path == path and row.rule != "passthrough"  # reshapes: no math
+               for d in row.ran_dtypes if "float" in d}
+        print(f"  {path or '(top level)':12s} ran in {', '.join(sorted(ran))}")
+    accuracy = jnp.mean(jnp.argmax(amp_call(model, x), -1) == y)
+    print(f"RESULT train_accuracy={float(accuracy):.3f}")
+
+
+if __name__ == "__main__":
+    main()
