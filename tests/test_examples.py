@@ -66,3 +66,20 @@ def test_flax_pattern_keeps_head_and_norm_in_float32(name, norm_path, head_path,
     assert ran[norm_path] == ran[head_path] == "float32"
     assert "float16" in ran.values()
     assert re.match(r"step\s+0\s+loss \d+\.\d+\s+scale 65536\s+skipped False", lines[0])
+
+
+def test_explain_example_reports_low_precision_matmuls_and_finds_the_injected_overflow():
+    lines = run_example("explain.py")
+    assert re.fullmatch(r"RESULT explain_rows=\d+ overflow_at=Block", lines[-1]), lines[-1]
+    dots = [line for line in lines if line.startswith("dot_general")]
+    assert len(dots) == 9 and all("ran on float16, float16" in line for line in dots)
+    assert "clean block, forward and backward: no overflow" in lines
+    assert any(line.startswith("injected overflow: overflow in mul") and "explain.py:" in line for line in lines)
+
+
+def test_quickstart_trains_and_matches_float32():
+    lines = run_example("quickstart.py")
+    accuracy = next(line for line in lines if line.startswith("train accuracy"))
+    fp32, amp = (float(v) for v in re.findall(r"\d\.\d{3}", accuracy))
+    assert fp32 > 0.9 and abs(fp32 - amp) < 0.02
+    assert "gradient dtypes: ['float32']" in lines
