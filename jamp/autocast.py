@@ -15,7 +15,7 @@ import numpy as np
 from jamp import _jax_compat as jc
 from jamp import oplists
 from jamp.dtypes import ELIGIBLE_DTYPES, is_eligible, parse_dtype
-from jamp.interpreter import Context, _trace
+from jamp.interpreter import Context, trace_jaxpr
 from jamp.policy import AUTOCAST, OFF, Policy, builtin_policy, default_device_type, get_policy
 from jamp.regions import Region, marker_for
 
@@ -176,7 +176,7 @@ class Autocast:
         out_dtypes = tuple(policy.output_dtype if policy.output_dtype is not None and is_eligible(a.dtype)
                            else a.dtype for a in closed.out_avals)
         ctx = Context(policy, AUTOCAST, (), self.cache_enabled, recorder)
-        return _Entry(_trace(closed, tuple(closed.in_avals), ctx, out_dtypes), out_tree)
+        return _Entry(trace_jaxpr(closed, tuple(closed.in_avals), ctx, out_dtypes), out_tree)
 
 
 def autocast(fun: Callable | None = None, /, *, dtype: Any = None, device_type: str | None = None,

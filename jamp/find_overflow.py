@@ -13,7 +13,7 @@ import numpy as np
 from jamp import _jax_compat as jc
 from jamp import regions
 from jamp.autocast import autocast
-from jamp.interpreter import Call, Context, Env, _cast_outputs, _track
+from jamp.interpreter import Call, Context, Env, cast_outputs, track_facts
 from jamp.rules import select_rule
 from jamp.rules.calls import jit_body_ctx
 
@@ -99,7 +99,7 @@ class _Walk:
                 self.compare(eqn, "/".join(call.ctx.path), call.bound or call.invals, amp_outs, ref_outs)
             env.write(eqn.outvars, amp_outs)
             ref_env.update(zip(eqn.outvars, ref_outs))
-            _track(env, eqn, effective)
+            track_facts(env, eqn, effective)
         return [env.read(v) for v in jaxpr.outvars], [ref_read(v) for v in jaxpr.outvars]
 
 
@@ -120,7 +120,7 @@ def _inline_custom_jvp(walk: _Walk, call: Call, ref_in):
 def _inline_custom_vjp(walk: _Walk, call: Call, ref_in):
     closed = call.params[jc.CALL_JAXPR]
     amp, ref = walk.run(closed.jaxpr, closed.consts, call.cast_to_recorded(), ref_in, call.body_ctx())
-    return _cast_outputs(amp, [a.dtype for a in closed.out_avals]), ref
+    return cast_outputs(amp, [a.dtype for a in closed.out_avals]), ref
 
 
 # Call-like primitives whose bodies are walked op by op; loops, branches and shard_map run whole.

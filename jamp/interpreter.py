@@ -141,13 +141,13 @@ def evaluate(jaxpr: jc.Jaxpr, consts, args, ctx: Context) -> list:
             outs = rule(call)
         outs = outs if eqn.primitive.multiple_results else [outs]
         env.write(eqn.outvars, outs)
-        _track(env, eqn, effective)
+        track_facts(env, eqn, effective)
         if ctx.recorder is not None:
             ctx.recorder.record(call, effective, outs)
     return [env.read(v) for v in jaxpr.outvars]
 
 
-def _track(env: Env, eqn, effective: str) -> None:
+def track_facts(env: Env, eqn, effective: str) -> None:
     name = eqn.primitive.name
     if name in MATMUL_LIKE and effective == "lower":
         env.lowered.update(eqn.outvars)
@@ -155,27 +155,27 @@ def _track(env: Env, eqn, effective: str) -> None:
         env.origin_size[eqn.outvars[0]] = env.size_before_broadcast(eqn.invars[0])
 
 
-def _cast_outputs(outs, out_dtypes):
+def cast_outputs(outs, out_dtypes):
     if out_dtypes is None:
         return outs
     return [cast(o, d) if is_float(o) and d is not None and jnp.issubdtype(d, jnp.floating) else o
             for o, d in zip(outs, out_dtypes)]
 
 
-def _trace(closed: jc.ClosedJaxpr, in_avals: tuple, ctx: Context, out_dtypes: tuple | None) -> jc.ClosedJaxpr:
+def trace_jaxpr(closed: jc.ClosedJaxpr, in_avals: tuple, ctx: Context, out_dtypes: tuple | None) -> jc.ClosedJaxpr:
     def run(*args):
-        return _cast_outputs(evaluate(closed.jaxpr, closed.consts, args, ctx), out_dtypes)
+        return cast_outputs(evaluate(closed.jaxpr, closed.consts, args, ctx), out_dtypes)
 
     return jax.make_jaxpr(run)(*in_avals)
 
 
 # Re-trace ``closed`` through the interpreter; ``out_dtypes`` pins the output dtypes
 # (boundary-preserving rules) or ``None`` lets them follow the rules (dtype-propagating rules).
-retrace = jc.weakref_lru_cache(_trace)
+retrace = jc.weakref_lru_cache(trace_jaxpr)
 
 
 def _trace_open(jaxpr: jc.Jaxpr, in_avals: tuple, ctx: Context) -> jc.ClosedJaxpr:
-    return _trace(jc.ClosedJaxpr(jaxpr, ()), in_avals, ctx, None)
+    return trace_jaxpr(jc.ClosedJaxpr(jaxpr, ()), in_avals, ctx, None)
 
 
 retrace_open = jc.weakref_lru_cache(_trace_open)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 
 from jamp import _jax_compat as jc
-from jamp.interpreter import Call, _cast_outputs, avals_of, evaluate, retrace
+from jamp.interpreter import Call, avals_of, cast_outputs, evaluate, retrace
 
 
 def _memoized_thunk(original, build):
@@ -64,7 +64,7 @@ def _autocast_bwd(original, ctx):
             return [o for o in outs if not jc.is_symbolic_zero(o)]
 
         closed = jax.make_jaxpr(nonzero_outputs)(*avals_of(args))
-        vals = iter(_cast_outputs(evaluate(closed.jaxpr, closed.consts, args, ctx),
+        vals = iter(cast_outputs(evaluate(closed.jaxpr, closed.consts, args, ctx),
                                   [a.dtype for a in closed.out_avals]))
         return [z if z is not None else next(vals) for z in zeros]
 

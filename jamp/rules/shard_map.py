@@ -6,7 +6,7 @@ context, so the rule hands shard_map a body function and lets shard_map trace it
 from __future__ import annotations
 
 from jamp import _jax_compat as jc
-from jamp.interpreter import Call, _cast_outputs, evaluate
+from jamp.interpreter import Call, cast_outputs, evaluate
 
 
 def shard_map(call: Call):
@@ -15,7 +15,7 @@ def shard_map(call: Call):
     ctx = call.body_ctx()
 
     def body(*args):
-        return _cast_outputs(evaluate(jaxpr, (), args, ctx), out_dtypes)
+        return cast_outputs(evaluate(jaxpr, (), args, ctx), out_dtypes)
 
     params = call.eqn.primitive.get_bind_params(call.params)
     params["subfuns"] = (jc.shard_map_body(call.params[jc.SHARD_MAP_OUT_SPECS], body),)
