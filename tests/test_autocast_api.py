@@ -160,14 +160,15 @@ def test_policy_is_a_valid_jit_static_argument_and_casts_trees():
     assert tree["a"].dtype == jnp.bfloat16 and tree["i"].dtype == jnp.int32
 
 
-def test_creates_no_arrays_and_no_backend_at_import_or_decoration():
+def test_creates_no_arrays_and_no_backend_at_import_or_construction():
     from helpers import run_subprocess
 
     out = run_subprocess("""
-        import jax, jax._src.xla_bridge as xb
+        import jax, jax._src.xla_bridge as xb, optax
         import jamp
         g = jamp.autocast(lambda x: x * 2)
-        h = jamp.scaler if hasattr(jamp, "scaler") else None
+        tx = jamp.scaler(optax.adam(1e-3), init_scale=3.0, growth_factor=1.1, backoff_factor=0.3)
+        policy = jamp.get_policy("p=f32,c=bf16,o=f32,d=gpu")
         print(len(xb._backends))
     """, devices=1)
     assert out.strip() == "0"
