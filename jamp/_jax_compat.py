@@ -1,18 +1,31 @@
 """Everything jamp needs from JAX internals, in one place.
 
 jaxpr internals (primitive names, parameter names, where helpers live) change between JAX
-releases. pyproject.toml pins the tested range; when it moves, this module is what changes.
-Checked against jax 0.10.2.
+releases. pyproject.toml states the supported range (jax 0.10.2 through 0.12.x, each tested in CI);
+where releases differ, the choice is made here by feature detection (an import that moved, an
+attribute that appeared), never by comparing version strings. tests/test_oplists.py names the
+primitive and parameter when a new release moves something read here.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
+import jax
+
 from jax._src import source_info_util
 from jax._src.interpreters import partial_eval as pe
-from jax._src.tree_util import FlatTree
 from jax._src.util import weakref_lru_cache
 from jax.extend import core as jcore
 from jax.extend import linear_util as lu
+
+try:  # jax >= 0.11: FlatTree moved to its own module, with a module-level flatten
+    from jax._src.flattree import flatten as _flat_tree
+except ImportError:  # jax 0.10
+    from jax._src.tree_util import FlatTree as _FlatTree
+
+    _flat_tree = _FlatTree.flatten
 
 ClosedJaxpr = jcore.ClosedJaxpr
 Jaxpr = jcore.Jaxpr
@@ -34,7 +47,7 @@ CUSTOM_JVP = "custom_jvp_call"
 CUSTOM_VJP = "custom_vjp_call"
 SHARD_MAP = "shard_map"
 
-# Parameter names of those primitives (jax 0.10.2).
+# Parameter names of those primitives (unchanged from jax 0.10.2 through 0.12.x).
 JIT_JAXPR = "jaxpr"            # ClosedJaxpr
 JIT_NAME = "name"
 CALL_JAXPR = "call_jaxpr"      # closed_call, custom_jvp_call, custom_vjp_call: ClosedJaxpr
@@ -76,17 +89,65 @@ def is_symbolic_zero(x) -> bool:
     return isinstance(x, Zero)
 
 
+# jax >= 0.11: a custom_vjp's flat bwd returns ``(cotangents, logs)`` (``defvjp_with_logs``);
+# jax 0.10 returns the cotangents alone.
+BWD_RETURNS_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
+
+
+def split_bwd_result(result) -> tuple[list, Any]:
+    """A flat custom_vjp bwd's result as ``(cotangents, logs)``; logs are None before jax 0.11."""
+    if BWD_RETURNS_LOGS:
+        cts, logs = result
+        return list(cts), logs
+    return list(result), None
+
+
+def join_bwd_result(cts: list, logs: Any):
+    """Inverse of :func:`split_bwd_result`: what this JAX expects a flat bwd to return."""
+    return (cts, logs) if BWD_RETURNS_LOGS else cts
+
+
 def shard_map_body(out_specs, body):
     """Wrap ``body(*args) -> list`` into the subfun form ``shard_map_p.bind`` expects."""
 
     def subfun(*args):
-        return FlatTree.flatten(body(*args)).with_aux(out_specs)
+        return _flat_tree(body(*args)).with_aux(out_specs)
 
     return subfun
+
+
+def lower_for_cuda(fn, *args):
+    """``jax.jit(fn)`` lowered for CUDA from any host (Pallas GPU kernels are checked this way on CPUs).
+
+    Since jax 0.11 the Triton lowering asks which GPU it targets and fails on a host without one; there
+    the host's device kind is registered as an H100 (sm_90, what jax 0.10 assumes) for the lowering.
+    """
+    traced = jax.jit(fn).trace(*args)
+    with _host_as_h100():
+        return traced.lower(lowering_platforms=("cuda",))
+
+
+@contextlib.contextmanager
+def _host_as_h100():
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:  # jax 0.10: the lowering falls back to sm_90 by itself
+        yield
+        return
+    kind = jax.devices()[0].device_kind
+    if jax.default_backend() == "gpu" or kind in gpu_info.registry:
+        yield
+        return
+    gpu_info.registry[kind] = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    try:
+        yield
+    finally:
+        del gpu_info.registry[kind]
 
 
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Literal", "Var", "convert_constvars_jaxpr", "jaxpr_as_fun",
     "jaxprs_in_params", "weakref_lru_cache", "wrap_init", "user_context", "name_stack_str", "source_location",
-    "is_symbolic_zero", "shard_map_body",
+    "is_symbolic_zero", "shard_map_body", "split_bwd_result", "join_bwd_result",
+    "lower_for_cuda",
 ]

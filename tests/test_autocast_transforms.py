@@ -152,6 +152,19 @@ def test_custom_vjp_bwd_outputs_are_cast_back_to_primal_dtypes():
     assert any(d == LOW for d in dtypes_of(jax.grad(lambda x: jamp.autocast(f, dtype="bf16")(x).sum()), X))
 
 
+@pytest.mark.skipif(not hasattr(jax.custom_vjp, "defvjp_with_logs"), reason="backward-pass logs came in jax 0.11")
+def test_custom_vjp_backward_logs_come_through():
+    @jax.custom_vjp
+    def f(x):
+        return x * 2
+
+    f.defvjp_with_logs(lambda x: (x * 2, x), lambda x, g: (((g @ jnp.eye(8)) * 2,), {"g_sq": jnp.sum(g * g)}))
+    out, f_vjp = jax.vjp(jamp.autocast(f, dtype="bf16"), X)
+    (ct,), logs = f_vjp.with_logs(jnp.ones_like(out))
+    assert ct.dtype == jnp.float32 and float(logs["g_sq"]) == X.size
+    np.testing.assert_allclose(ct, 2.0 * jnp.ones_like(X), rtol=0.01)
+
+
 def test_relu_custom_jvp_keeps_low_precision_activations():
     f = lambda w, x: jax.nn.relu(x @ w) @ w  # noqa: E731
     all_dots_low(jamp.autocast(f, dtype="bf16"), W, X)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.examples
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 

@@ -6,13 +6,14 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jamp_kernels
+from jamp import _jax_compat as jc
 from jamp_kernels import pallas_triton
 
 TRITON = "__gpu$xla.gpu.triton"
 
 
 def cuda_text(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return jc.lower_for_cuda(fn, *args).as_text()
 
 
 def mixed_tree():

@@ -27,6 +27,7 @@ import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jamp_kernels
+from jamp._jax_compat import lower_for_cuda
 
 INV = np.float32(0.25)
 rng = np.random.default_rng(0)
@@ -88,8 +89,7 @@ report["pmap_flags"] = [bool(f) for f in flags]
 # The Triton kernel on sharded grads lowers for CUDA, inside the shard_map wrapper.
 mesh = jax.make_mesh((4, 2), ("d", "m"))
 grads = jax.device_put(host, {k: NamedSharding(mesh, s) for k, s in specs.items()})
-text = (jax.jit(lambda g: jamp_kernels.unscale_and_check(g, INV, backend="pallas"))
-        .trace(grads).lower(lowering_platforms=("cuda",)).as_text())
+text = lower_for_cuda(lambda g: jamp_kernels.unscale_and_check(g, INV, backend="pallas"), grads).as_text()
 report["cuda"] = {"triton_calls": text.count("__gpu$xla.gpu.triton"), "manual": "sdy.manual_computation" in text}
 print(json.dumps(report))
 """
@@ -116,6 +116,7 @@ FLOAT64 = """
 import json
 import jax, jax.numpy as jnp, numpy as np
 import jamp_kernels
+from jamp._jax_compat import lower_for_cuda
 
 inv = np.float32(1 / 3)
 rng = np.random.default_rng(0)
@@ -136,8 +137,7 @@ for backend in ("interpret", "xla", "auto"):
     report[backend] = {"dtypes": sorted({str(o.dtype) for o in out.values()}),
                        "exact": all(np.array_equal(np.asarray(out[k]), want[k]) for k in grads),
                        "three": float(out["three"][0]), "found_clean": bool(found), "all_detected": all(detected)}
-text = jax.jit(lambda g: jamp_kernels.unscale_and_check(g, inv, backend="pallas")).trace(grads).lower(
-    lowering_platforms=("cuda",)).as_text()
+text = lower_for_cuda(lambda g: jamp_kernels.unscale_and_check(g, inv, backend="pallas"), grads).as_text()
 report["triton_calls"] = text.count("__gpu$xla.gpu.triton")
 print(json.dumps(report))
 """

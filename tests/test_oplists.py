@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas  # noqa: F401  (registers pallas_call)
 from jax.extend import core as jcore
+from jax.sharding import AxisType, PartitionSpec as P
 
 import jamp
 from jamp import _jax_compat as jc
@@ -41,6 +42,18 @@ def test_categories_are_known_and_both_lists_cover_the_same_primitives():
     assert set(oplists.categories_for("gpu")) == set(oplists.categories_for("cpu"))
 
 
+def assert_params(eqn, name: str, params: list[str]) -> None:
+    """Name the primitive and parameter that moved, so a new JAX release says what to change in _jax_compat."""
+    assert eqn is not None, f"jax {jax.__version__} staged no {name!r} equation (jamp/_jax_compat.py names it)"
+    missing = [p for p in params if p not in eqn.params]
+    assert not missing, (f"jax {jax.__version__}: primitive {name!r} has no parameter {missing} that jamp reads "
+                         f"(it has {sorted(eqn.params)}); update jamp/_jax_compat.py")
+
+
+def first_eqn(closed, name: str):
+    return next((e for e in closed.jaxpr.eqns if e.primitive.name == name), None)
+
+
 @pytest.mark.parametrize("fun,name,params", [
     (lambda x: jax.jit(jnp.sin)(x), jc.JIT, [jc.JIT_JAXPR, jc.JIT_NAME]),
     (lambda x: jax.lax.scan(lambda c, _: (c, None), x, None, length=2)[0], jc.SCAN, [jc.SCAN_JAXPR]),
@@ -48,22 +61,37 @@ def test_categories_are_known_and_both_lists_cover_the_same_primitives():
     (lambda x: jax.lax.cond(True, jnp.sin, jnp.cos, x), jc.COND, [jc.COND_BRANCHES]),
     (lambda x: jax.checkpoint(jnp.sin)(x), jc.REMAT, [jc.REMAT_JAXPR]),
     (lambda x: jax.nn.relu(x), jc.CUSTOM_JVP, [jc.CALL_JAXPR, jc.JVP_THUNK, jc.NUM_CONSTS]),
+    (lambda x: jax.shard_map(jnp.sin, mesh=jax.make_mesh((1,), ("d",), axis_types=(AxisType.Auto,)),
+                             in_specs=P("d"), out_specs=P("d"))(x),
+     jc.SHARD_MAP, [jc.SHARD_MAP_JAXPR, jc.SHARD_MAP_OUT_SPECS]),
 ])
 def test_higher_order_primitive_parameters(fun, name, params):
-    closed = jax.make_jaxpr(fun)(jnp.ones(3))
-    eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == name)
-    assert all(p in eqn.params for p in params)
+    assert_params(first_eqn(jax.make_jaxpr(fun)(jnp.ones(3)), name), name, params)
 
 
-def test_custom_vjp_parameters():
+def custom_vjp_identity():
     @jax.custom_vjp
     def f(x):
         return x
 
     f.defvjp(lambda x: (x, None), lambda _, g: (g,))
-    eqn = jax.make_jaxpr(f)(1.0).jaxpr.eqns[0]
-    assert eqn.primitive.name == jc.CUSTOM_VJP
-    assert all(p in eqn.params for p in (jc.CALL_JAXPR, jc.FWD_THUNK, jc.BWD, jc.NUM_CONSTS))
+    return f
+
+
+def test_custom_vjp_parameters():
+    eqn = first_eqn(jax.make_jaxpr(custom_vjp_identity())(1.0), jc.CUSTOM_VJP)
+    assert_params(eqn, jc.CUSTOM_VJP, [jc.CALL_JAXPR, jc.FWD_THUNK, jc.BWD, jc.NUM_CONSTS])
+
+
+def test_custom_vjp_bwd_protocol():
+    """What a flat bwd returns (cotangents, or (cotangents, logs) since jax 0.11) is what jc expects."""
+    eqn = first_eqn(jax.make_jaxpr(custom_vjp_identity())(1.0), jc.CUSTOM_VJP)
+    eqn.params[jc.FWD_THUNK].call_wrapped(True)  # tracing fwd records the trees bwd unflattens with
+    result = eqn.params[jc.BWD].call_wrapped(jnp.float32(2.0))  # residual None is dropped: one cotangent in
+    cts, _ = jc.split_bwd_result(result)
+    assert len(cts) == 1 and float(cts[0]) == 2.0, (
+        f"jax {jax.__version__}: a custom_vjp bwd returned {result!r}; jc.BWD_RETURNS_LOGS={jc.BWD_RETURNS_LOGS} "
+        "does not describe it")
 
 
 def test_builtin_policies_are_built_from_the_tables():

@@ -56,17 +56,22 @@ def _preserving(closed, ctx):
 
 def _autocast_bwd(original, ctx):
     def bwd(*args):
-        zeros: list = []
+        zeros: list = []      # per cotangent: the symbolic zero the rule returned, or None
+        logs_tree: list = []  # jax >= 0.11: the tree of the rule's backward-pass logs
 
         def nonzero_outputs(*a):
-            outs = original.call_wrapped(*a)
-            zeros[:] = [o if jc.is_symbolic_zero(o) else None for o in outs]
-            return [o for o in outs if not jc.is_symbolic_zero(o)]
+            cts, logs = jc.split_bwd_result(original.call_wrapped(*a))
+            zeros[:] = [c if jc.is_symbolic_zero(c) else None for c in cts]
+            log_leaves, tree = jax.tree.flatten(logs)
+            logs_tree[:] = [tree]
+            return [c for c in cts if not jc.is_symbolic_zero(c)], log_leaves
 
         closed = jax.make_jaxpr(nonzero_outputs)(*avals_of(args))
-        vals = iter(cast_outputs(evaluate(closed.jaxpr, closed.consts, args, ctx),
-                                  [a.dtype for a in closed.out_avals]))
-        return [z if z is not None else next(vals) for z in zeros]
+        n = zeros.count(None)
+        outs = evaluate(closed.jaxpr, closed.consts, args, ctx)
+        vals = iter(cast_outputs(outs[:n], [a.dtype for a in closed.out_avals[:n]]))
+        cts = [z if z is not None else next(vals) for z in zeros]
+        return jc.join_bwd_result(cts, jax.tree.unflatten(logs_tree[0], outs[n:]))
 
     return jc.wrap_init(bwd, debug_info=original.debug_info)
 
