@@ -40,7 +40,7 @@ import optax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var, jaxprs_in_params
 
 import jamp
-from jamp import interpreter
+from jamp.casting import interpreter
 
 LOW_DTYPES = {np.dtype(jnp.bfloat16), np.dtype(jnp.float16)}
 MIB = 2**20

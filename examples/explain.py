@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 
 import jamp

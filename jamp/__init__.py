@@ -1,27 +1,25 @@
-"""jamp: automatic mixed precision for JAX (torch.amp's autocast and GradScaler, the JAX way)."""
+"""jamp: automatic mixed precision for JAX (torch.amp's autocast and GradScaler, the JAX way).
 
-from jamp.autocast import autocast, custom_fwd
-from jamp.explain import Report, explain
-from jamp.find_overflow import Finding, find_overflow
-from jamp.policy import Policy, get_policy
+Three wings: :mod:`jamp.casting` (autocast, the jaxpr transformation), :mod:`jamp.scaling` (GradScaler
+as an optax transformation) and :mod:`jamp.tools` (explain, find_overflow). This module is the public face.
+"""
 
-# --- scaler (jamp/scaler.py) ---
-from jamp.scaler import scaler
-from jamp.scaler_helpers import found_inf, get_scale, scale, set_scale, value_and_grad
-from jamp.scaler_state import DisabledScalerState, ScalerState
-from jamp.state_dict import load_state_dict, state_dict
-# --- end scaler ---
+from jamp.casting.policy import Policy, get_policy
+from jamp.casting.transform import autocast, custom_fwd
+from jamp.scaling.checkpoint import load_state_dict, state_dict
+from jamp.scaling.helpers import found_inf, get_scale, scale, set_scale, value_and_grad
+from jamp.scaling.state import DisabledScalerState, ScalerState
+from jamp.scaling.transform import scaler
+from jamp.tools.explanation import Report, explain
+from jamp.tools.overflow import Finding, find_overflow
 
 __all__ = [
-    "Finding",
+    # autocast
     "Policy",
-    "Report",
     "autocast",
     "custom_fwd",
-    "explain",
-    "find_overflow",
     "get_policy",
-    # --- scaler names ---
+    # gradient scaling
     "DisabledScalerState",
     "ScalerState",
     "found_inf",
@@ -32,5 +30,9 @@ __all__ = [
     "set_scale",
     "state_dict",
     "value_and_grad",
-    # --- end scaler names ---
+    # precision tools
+    "Finding",
+    "Report",
+    "explain",
+    "find_overflow",
 ]

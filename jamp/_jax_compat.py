@@ -13,7 +13,6 @@ import contextlib
 from typing import Any
 
 import jax
-
 from jax._src import source_info_util
 from jax._src.interpreters import partial_eval as pe
 from jax._src.util import weakref_lru_cache

@@ -17,7 +17,8 @@ from typing import Callable
 import jax
 from jax import lax
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 LeafFn = Callable[[jax.Array, list], tuple[list, jax.Array]]
 

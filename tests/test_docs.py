@@ -4,7 +4,7 @@
    in order. A block preceded by ``<!-- skip: reason -->`` is not run (torch code, mostly). A ```text
    block preceded by ``<!-- expected-output -->`` must equal what the python block before it printed.
 2. The op reference pages that docs/gen_op_reference.py generates at build time show every primitive of
-   jamp.oplists under the category jamp.get_policy(device) gives it, and every region rule.
+   jamp.casting.oplists under the category jamp.get_policy(device) gives it, and every region rule.
 3. ``mkdocs build --strict`` succeeds (skipped where the ``docs`` extra is not installed).
 """
 
@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 import jamp
-from jamp import oplists
-from jamp.regions import EFFECTIVE_RULE
+from jamp.casting import oplists
+from jamp.casting.regions import EFFECTIVE_RULE
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

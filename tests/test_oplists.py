@@ -8,16 +8,17 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas  # noqa: F401  (registers pallas_call)
 from jax.extend import core as jcore
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import jamp
 from jamp import _jax_compat as jc
-from jamp import oplists
+from jamp.casting import oplists
 
 
 def installed_primitive_names():
-    import jax._src.lax.linalg  # noqa: F401
     import jax._src.lax.fft  # noqa: F401
+    import jax._src.lax.linalg  # noqa: F401
     import jax._src.lax.special  # noqa: F401
     import jax.random  # noqa: F401
 

@@ -264,7 +264,7 @@ def _compiled_step(update, params, state):
 
 
 def test_xla_backend_compiles_to_adam_plus_a_check():
-    """Performance contract (jamp/skip.py): no conditional, no copy of any parameter-sized buffer, and
+    """Performance contract (jamp/scaling/skip.py): no conditional, no copy of any parameter-sized buffer, and
     Adam's loops (the unscale fused in) plus at most one for the finite check."""
     params = {"w": jnp.ones((64, 32)), "b": jnp.ones(32)}
     tx, adam = jamp.scaler(optax.adam(1e-3), backend="xla"), optax.adam(1e-3)

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jamp
-from jamp import exact_mul, scaler_rule
+from jamp.scaling import exact_mul
+from jamp.scaling import rule as scaler_rule
 
 BATCH = 64
 STEPS = 24

@@ -18,7 +18,8 @@ import optax
 import pytest
 
 import jamp
-from jamp import exact_mul, scaler_rule
+from jamp.scaling import exact_mul
+from jamp.scaling import rule as scaler_rule
 
 GOLDENS = json.loads((pathlib.Path(__file__).parent / "data" / "torch_grad_scaler_goldens.json").read_text())
 SHAPES = {"w": ((2, 3), jnp.float32), "b": ((3,), jnp.bfloat16), "d": ((2,), jnp.float64)}

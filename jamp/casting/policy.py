@@ -10,8 +10,14 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jamp import oplists
-from jamp.dtypes import ELIGIBLE_DTYPES, FLOAT32, LOW_DTYPES, is_eligible, parse_dtype
+from jamp.casting import oplists
+from jamp.casting.dtypes import (
+    ELIGIBLE_DTYPES,
+    FLOAT32,
+    LOW_DTYPES,
+    is_eligible,
+    parse_dtype,
+)
 
 # Region modes: how the equations inside a matched region are evaluated.
 AUTOCAST = "autocast"  # the policy's per-primitive categories (the mode outside any rule)

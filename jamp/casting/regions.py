@@ -14,8 +14,8 @@ import re
 import threading
 from typing import Any, NamedTuple
 
-from jamp import oplists
-from jamp.policy import AUTOCAST, COMPUTE, NATIVE, OFF, Policy
+from jamp.casting import oplists
+from jamp.casting.policy import AUTOCAST, COMPUTE, NATIVE, OFF, Policy
 
 F32, LOWER, PROMOTE, PASS, DEFAULT, LINALG = (oplists.FLOAT32, oplists.LOWER, oplists.PROMOTE,
                                               oplists.PASSTHROUGH, oplists.DEFAULT, oplists.LINALG)

@@ -13,11 +13,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import _jax_compat as jc
-from jamp import oplists
-from jamp.dtypes import ELIGIBLE_DTYPES, is_eligible, parse_dtype
-from jamp.interpreter import Context, trace_jaxpr
-from jamp.policy import AUTOCAST, OFF, Policy, builtin_policy, default_device_type, get_policy
-from jamp.regions import Region, marker_for
+from jamp.casting import oplists
+from jamp.casting.call import Context
+from jamp.casting.dtypes import ELIGIBLE_DTYPES, is_eligible, parse_dtype
+from jamp.casting.interpreter import trace_jaxpr
+from jamp.casting.policy import (
+    AUTOCAST,
+    OFF,
+    Policy,
+    builtin_policy,
+    default_device_type,
+    get_policy,
+)
+from jamp.casting.regions import Region, marker_for
 
 _CACHE_SIZE = 64
 _state = threading.local()
@@ -140,7 +148,7 @@ class Autocast:
 
     def rewrite(self, *args, recorder: Any = None, **kwargs) -> tuple[jc.ClosedJaxpr, Any]:
         """The rewritten program for these arguments and its output tree; ``recorder`` (see
-        :mod:`jamp.explain`) sees every decision of a fresh, uncached rewrite."""
+        :mod:`jamp.tools.explanation`) sees every decision of a fresh, uncached rewrite."""
         _, _, signature = self._prepare(args, kwargs)
         entry = self._trace(*signature, recorder=recorder)
         return entry.closed, entry.out_tree
@@ -186,7 +194,7 @@ def autocast(fun: Callable | None = None, /, *, dtype: Any = None, device_type: 
 
     Matmuls and convolutions run in ``dtype`` (float16 on ``device_type="gpu"``, bfloat16 on
     ``"cpu"``/``"tpu"``), numerically sensitive ops in float32, multi-input ops at their widest
-    input; the op lists are ``policy`` (see :mod:`jamp.oplists`). Use as ``autocast(f)``,
+    input; the op lists are ``policy`` (see :mod:`jamp.casting.oplists`). Use as ``autocast(f)``,
     ``@autocast`` or ``@autocast(dtype=jnp.bfloat16)``. Inside another autocast function,
     ``autocast(g, enabled=False)`` runs ``g`` as written and ``autocast(g, dtype=...)`` switches the
     dtype for ``g``. Outputs keep the dtypes ``fun`` declares (or the policy's output dtype).

@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from jamp import exact_mul, scaler_state
-from jamp.scaler_state import DisabledScalerState
+from jamp.scaling import exact_mul
+from jamp.scaling import state as scaler_state
+from jamp.scaling.state import DisabledScalerState
 
 KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 

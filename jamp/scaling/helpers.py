@@ -12,8 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jamp import scaler_state
-from jamp.scaler_state import DisabledScalerState
+from jamp.scaling import state as scaler_state
+from jamp.scaling.state import DisabledScalerState
 
 
 def _scale_leaf(x: Any, scale: jax.Array) -> jax.Array:

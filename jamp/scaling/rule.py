@@ -9,7 +9,7 @@ GROW: tracker + 1 == interval  min(scale * growth, max_scale),     0
                                or scale if the product is inf
 =============================  ==================================  ===============
 
-The products are ``float32(double(scale) * factor)`` as torch computes them (see :mod:`jamp.exact_mul`).
+The products are ``float32(double(scale) * factor)`` as torch computes them (see :mod:`jamp.scaling.exact_mul`).
 ``==`` is exact: a tracker already past the interval (after ``load_state_dict``) counts on and never
 grows until a backoff resets it, as in torch. Comparisons and selections work on the float32 bits as
 integers: XLA flushes subnormals to zero in float compares and turns compare+select into max/min
@@ -21,8 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jamp import exact_mul
-from jamp.scaler_state import ScalerState
+from jamp.scaling import exact_mul
+from jamp.scaling.state import ScalerState
 
 BACKOFF, HOLD, GROW = 0, 1, 2
 

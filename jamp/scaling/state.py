@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jamp import exact_mul
+from jamp.scaling import exact_mul
 
 _INT32_MAX = 2**31 - 1
 

@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import optax
 
 import jamp_kernels
-from jamp import scaler_rule, scaler_state, skip
-from jamp.scaler_state import DisabledScalerState, ScalerState
+from jamp.scaling import rule as scale_rule
+from jamp.scaling import skip
+from jamp.scaling import state as scaler_state
+from jamp.scaling.state import DisabledScalerState, ScalerState
 
 _BACKENDS = ("auto", "xla", "pallas", "interpret")
 
@@ -97,12 +99,12 @@ def scaler(
     ``update(scaled_grads, state, params, **extra)`` unscales by ``float32(1/scale)`` in float32 (float64
     leaves in float64), looks for inf/NaN in the scaled grads (combined over ``axis_name`` when given),
     then either applies ``inner`` or returns zero updates with ``inner``'s state bit-identical, and moves
-    the scale by torch's ``_amp_update_scale_`` rule (:mod:`jamp.scaler_rule`). Produce the scaled grads
+    the scale by torch's ``_amp_update_scale_`` rule (:mod:`jamp.scaling.rule`). Produce the scaled grads
     with ``jamp.scale(loss, opt_state)`` or ``jamp.value_and_grad``.
 
     ``backend``: "xla" (jnp check and unscale, which XLA fuses into ``inner``), "pallas"/"interpret" (the
     fused ``jamp_kernels.unscale_and_check``), "auto" (the kernel when the default backend is a GPU, else
-    xla). The skip is a select, not a ``lax.cond``: see :mod:`jamp.skip` for why that is the fast form.
+    xla). The skip is a select, not a ``lax.cond``: see :mod:`jamp.scaling.skip` for why that is the fast form.
     ``min_scale``/``max_scale`` are extras beyond torch, off by default. ``enabled=False`` applies ``inner``
     on every step, validates nothing but ``inner``, and makes ``jamp.scale`` the identity.
 
@@ -138,7 +140,7 @@ def scaler(
         unscaled, found_inf = _path(backend)(grads, inv_scale, backend)
         found_inf = _combine(jnp.asarray(found_inf, jnp.bool_), axis_name)
         updates, inner_state = skip.step_or_skip(inner_tx.update, found_inf, unscaled, state.inner_state, params, extra)
-        scale, tracker = scaler_rule.next_scale(state, found_inf)
+        scale, tracker = scale_rule.next_scale(state, found_inf)
         return updates, state._replace(
             scale=scale, growth_tracker=tracker, found_inf=found_inf, inner_state=inner_state
         )

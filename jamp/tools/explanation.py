@@ -12,8 +12,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from jamp import _jax_compat as jc
-from jamp.autocast import autocast
-from jamp.interpreter import MATMUL_LIKE, Call
+from jamp.casting.call import MATMUL_LIKE, Call
+from jamp.casting.transform import autocast
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import _jax_compat as jc
-from jamp import regions
-from jamp.autocast import autocast
-from jamp.interpreter import Call, Context, Env, cast_outputs, track_facts
-from jamp.rules import select_rule
-from jamp.rules.calls import jit_body_ctx
+from jamp.casting import regions
+from jamp.casting.call import Call, Context, Env, cast_outputs
+from jamp.casting.interpreter import track_facts
+from jamp.casting.rules import select_rule
+from jamp.casting.rules.calls import jit_body_ctx
+from jamp.casting.transform import autocast
 
 
 @dataclasses.dataclass(frozen=True)

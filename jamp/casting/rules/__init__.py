@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from jamp import _jax_compat as jc
-from jamp import oplists
-from jamp.regions import EFFECTIVE_RULE
-from jamp.rules import calls, control_flow, custom_ad, leaf, shard_map
+from jamp.casting import oplists
+from jamp.casting.regions import EFFECTIVE_RULE
+from jamp.casting.rules import calls, control_flow, custom_ad, leaf, shard_map
 
 HIGHER_ORDER_RULES = {
     jc.JIT: calls.jit,

@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 
 from jamp import _jax_compat as jc
-from jamp import oplists
-from jamp.interpreter import Call, avals_of, retrace, retrace_open
-from jamp.policy import OFF, Policy
-from jamp.regions import F32
+from jamp.casting import oplists
+from jamp.casting.call import Call, avals_of
+from jamp.casting.interpreter import retrace, retrace_open
+from jamp.casting.policy import OFF, Policy
+from jamp.casting.regions import F32
 
 
 @jc.weakref_lru_cache

@@ -5,7 +5,8 @@ their types (JAX checks that only when it traces, not when we re-bind)."""
 from __future__ import annotations
 
 from jamp import _jax_compat as jc
-from jamp.interpreter import Call, retrace
+from jamp.casting.call import Call
+from jamp.casting.interpreter import retrace
 
 
 def preserving(closed: jc.ClosedJaxpr, call: Call) -> jc.ClosedJaxpr:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import jax
 
 from jamp import _jax_compat as jc
-from jamp.interpreter import Call, avals_of, cast_outputs, evaluate, retrace
+from jamp.casting.call import Call, avals_of, cast_outputs
+from jamp.casting.interpreter import evaluate, retrace
 
 
 def _memoized_thunk(original, build):

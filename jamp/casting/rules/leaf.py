@@ -1,12 +1,12 @@
-"""Rules for first-order primitives, one per category (see jamp.oplists)."""
+"""Rules for first-order primitives, one per category (see jamp.casting.oplists)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from jamp._jax_compat import Literal
-from jamp.dtypes import FLOAT32, is_eligible, is_low, widest
-from jamp.interpreter import MATMUL_LIKE, Call, is_float
+from jamp.casting.call import MATMUL_LIKE, Call, is_float
+from jamp.casting.dtypes import FLOAT32, is_eligible, is_low, widest
 
 
 def _set_preferred(call: Call, dtype) -> dict:

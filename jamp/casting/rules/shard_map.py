@@ -6,7 +6,8 @@ context, so the rule hands shard_map a body function and lets shard_map trace it
 from __future__ import annotations
 
 from jamp import _jax_compat as jc
-from jamp.interpreter import Call, cast_outputs, evaluate
+from jamp.casting.call import Call, cast_outputs
+from jamp.casting.interpreter import evaluate
 
 
 def shard_map(call: Call):

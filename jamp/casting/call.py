@@ -1,0 +1,131 @@
+"""What every rule receives: the evaluation context, the environment of values, the equation being
+evaluated, and the small helpers rules share. Leaf rules import only this module; the higher-order
+rules also import the evaluator they recurse into (:mod:`jamp.casting.interpreter`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jamp import _jax_compat as jc
+from jamp.casting import regions
+from jamp.casting.dtypes import is_eligible
+from jamp.casting.policy import Policy
+
+MATMUL_LIKE = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """Where an evaluation stands: policy, region mode, enclosing path. Hashable (cache key)."""
+
+    policy: Policy
+    mode: str
+    path: tuple[str, ...] = ()
+    cache_enabled: bool = True
+    recorder: Any = None  # jamp.explain's Recorder: part of the key, so recording never hits a cache
+
+    def descend(self, comps: tuple[str, ...]) -> Context:
+        policy, mode = regions.resolve(self.policy, self.mode, self.path, comps)
+        return dataclasses.replace(self, policy=policy, mode=mode, path=self.path + comps)
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        return self.policy.compute_dtype
+
+
+def cast(x: Any, dtype) -> Any:
+    """Convert ``x`` to ``dtype`` unless it already is; literals stay literals."""
+    if x.dtype == dtype:
+        return x
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        return np.asarray(x).astype(dtype)
+    return jax.lax.convert_element_type(x, dtype)
+
+
+def is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+class Env:
+    """Values of one jaxpr evaluation plus the facts rules ask about them."""
+
+    def __init__(self, cache_enabled: bool):
+        self.values: dict[Any, Any] = {}
+        self.lowered: set[Any] = set()           # outputs of matmuls run in the compute dtype
+        self.origin_size: dict[Any, int] = {}    # vars that are broadcasts/reshapes of smaller arrays
+        self._casts: dict[tuple[int, Any], tuple[Any, Any]] | None = {} if cache_enabled else None
+
+    def read(self, v: Any) -> Any:
+        return v.val if isinstance(v, jc.Literal) else self.values[v]
+
+    def write(self, vs, vals) -> None:
+        for v, val in zip(vs, vals):
+            self.values[v] = val
+
+    def cast(self, x: Any, dtype) -> Any:
+        """``cast`` with torch's cast cache: a value cast to a dtype twice is cast once."""
+        if x.dtype == dtype or self._casts is None:
+            return cast(x, dtype)
+        key = (id(x), np.dtype(dtype))
+        hit = self._casts.get(key)
+        if hit is None or hit[0] is not x:
+            hit = self._casts[key] = (x, cast(x, dtype))
+        return hit[1]
+
+    def size_before_broadcast(self, v: Any) -> int:
+        return self.origin_size.get(v, int(np.prod(v.aval.shape)))
+
+    def is_lowered(self, v: Any) -> bool:
+        return isinstance(v, jc.Var) and v in self.lowered
+
+
+@dataclasses.dataclass
+class Call:
+    """One equation being evaluated: what a rule receives."""
+
+    eqn: Any
+    invals: list
+    ctx: Context
+    env: Env
+    comps: tuple[str, ...]
+    bound: list | None = None  # the inputs the primitive finally ran on
+
+    @property
+    def params(self) -> dict:
+        return self.eqn.params
+
+    def bind(self, invals=None, **param_updates):
+        return self.bind_with(self.invals if invals is None else invals, {**self.eqn.params, **param_updates})
+
+    def bind_with(self, invals, params: dict):
+        """Bind with exactly ``params`` (higher-order primitives pass ``get_bind_params`` output)."""
+        self.bound = invals
+        return self.eqn.primitive.bind(*invals, **params)
+
+    def recorded_dtype(self, i: int):
+        return self.eqn.invars[i].aval.dtype
+
+    def body_ctx(self, *extra: str) -> Context:
+        """The context for a sub-jaxpr: this equation's path, plus e.g. the jit name."""
+        return self.ctx.descend(extra) if extra else self.ctx
+
+    def cast_to_recorded(self) -> list:
+        return [self.env.cast(x, self.recorded_dtype(i)) if is_float(x) and is_eligible(x.dtype) else x
+                for i, x in enumerate(self.invals)]
+
+
+def cast_outputs(outs, out_dtypes):
+    if out_dtypes is None:
+        return outs
+    return [cast(o, d) if is_float(o) and d is not None and jnp.issubdtype(d, jnp.floating) else o
+            for o, d in zip(outs, out_dtypes)]
+
+
+def avals_of(values) -> tuple:
+    return tuple(jax.typeof(v) for v in values)
