@@ -2,6 +2,7 @@
 
 import csv
 import io
+import os
 
 import flax.linen as nn
 import jax
@@ -62,10 +63,50 @@ def test_explain_reports_what_custom_vjp_ran_on():
     assert row.arrived_dtypes == ("bfloat16",) and row.ran_dtypes == ("float32",) and row.casts == 1
 
 
+class TwoBlocks(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(2):
+            h = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=2)(h, h)
+            x = x + nn.Dense(8)(nn.gelu(nn.Dense(32)(nn.LayerNorm()(x))))
+        return Block().apply(PARAMS, x[0])
+
+
+def test_explain_prints_one_row_per_module_path_at_human_width():
+    x = jnp.ones((2, 4, 8))
+    params = TwoBlocks().init(jax.random.key(0), x)
+    report = jamp.explain(TwoBlocks().apply, device_type="gpu")(params, x)
+    lines = str(report).splitlines()
+    paths = {r.path for r in report.rows}
+    assert max(map(len, lines)) <= 120 and len(lines) < len(report.rows) // 2
+    assert [line.split()[0] for line in lines if line.split()[:1] == ["TwoBlocks/Dense_1"]] == ["TwoBlocks/Dense_1"]
+    assert len([line for line in lines if line.startswith(" TwoBlocks")]) <= len(paths)
+    dense = next(line for line in lines if line.startswith(" TwoBlocks/Dense_0 "))
+    assert "f16" in dense and "lower 1" in dense and "flax/linen/linear.py:" in dense
+    assert "site-packages" not in str(report)
+    full = report.to_text(full=True).splitlines()
+    assert sum(" dot_general " in line for line in full) == sum(r.primitive == "dot_general" for r in report.rows)
+    assert any("flax/linen/linear.py:" in line and "(Dense.__call__)" in line for line in full)
+
+
+def test_short_source_is_relative_to_the_package_root_or_the_cwd(monkeypatch, tmp_path):
+    import flax
+
+    from jamp.tools.sources import short_source
+
+    linear = os.path.join(os.path.dirname(flax.__file__), "linen", "linear.py")
+    assert short_source(f"{linear}:287 (Dense.__call__)") == "flax/linen/linear.py:287 (Dense.__call__)"
+    monkeypatch.chdir(tmp_path)
+    assert short_source(f"{tmp_path}/model.py:3 (loss)") == "model.py:3 (loss)"
+    assert short_source("") == ""
+
+
 def test_explain_renders_and_exports():
     report = jamp.explain(Block().apply, device_type="cpu")(PARAMS, X)
     text = str(report)
-    assert "dot_general" in text and "Block/lm_head" in text and "low_precision_flop_share" in text
+    assert "Block/lm_head" in text and "lower 1" in text and "low_precision_flop_share" in text
+    assert "dot_general" in report.to_text(full=True)
     rows = list(csv.DictReader(io.StringIO(report.to_csv())))
     assert len(rows) == len(report.rows) and rows[0].keys() >= {"primitive", "source", "path", "ran_dtypes"}
     assert report.to_dicts()[0]["primitive"] == report.rows[0].primitive
@@ -95,6 +136,35 @@ def test_find_overflow_points_at_the_op_and_its_source_line():
     assert jamp.find_overflow(loss, device_type="cpu")(PARAMS, X) is None
     # and an unscaled model is clean
     assert jamp.find_overflow(lambda p, x: -Block().apply(p, x).mean(), device_type="gpu")(PARAMS, X) is None
+
+
+@pytest.fixture
+def compilations():
+    """The XLA compilations JAX runs while the test body runs (eager ops included)."""
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield events
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_find_overflow_compiles_one_program_and_reruns_it(compilations):
+    """Both programs and every comparison in one compiled program, kept per argument signature: its
+    cost is about an autocast forward plus a float32 forward, not a dispatch and a compile per op."""
+    check = jamp.find_overflow(lambda p, x, s: -Block(scale=s).apply(p, x).mean(), device_type="gpu")
+    big, small, one_row = jnp.float32(1e5), jnp.float32(1.0), X[:1]
+    compilations.clear()
+    first = check(PARAMS, X, big)
+    assert len(compilations) == 1
+    assert (first.kind, first.primitive, first.path) == ("overflow", "mul", "Block")  # relu(h) * s in float16
+    assert check(PARAMS, X, big) == first and len(compilations) == 1
+    assert check(PARAMS, X, small) is None and len(compilations) == 1  # same signature: the same program
+    check(PARAMS, one_row, big)
+    assert len(compilations) == 2
 
 
 def test_find_overflow_in_a_dense_layer():

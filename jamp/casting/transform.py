@@ -153,6 +153,16 @@ class Autocast:
         entry = self._trace(*signature, recorder=recorder)
         return entry.closed, entry.out_tree
 
+    def call_key(self, *args, **kwargs) -> tuple[Any, list]:
+        """(cache key, dynamic leaves) of a call as autocast's own cache sees it, for tools that cache
+        their own programs per signature; the key is None when a static argument is unhashable."""
+        key, dynamic, _ = self._prepare(args, kwargs)
+        try:
+            hash(key)
+        except TypeError:
+            key = None
+        return key, dynamic
+
     def trace_original(self, *args, **kwargs) -> tuple[jc.ClosedJaxpr, list, Context]:
         """The function's own jaxpr, its dynamic arguments and the top-level context."""
         _, dynamic, signature = self._prepare(args, kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import csv
 import dataclasses
 import io
@@ -12,8 +13,10 @@ from typing import Any
 import jax.numpy as jnp
 
 from jamp import _jax_compat as jc
+from jamp.casting import oplists
 from jamp.casting.call import MATMUL_LIKE, Call
 from jamp.casting.transform import autocast
+from jamp.tools.sources import short_source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,27 +129,66 @@ class Report:
         writer.writerows(dicts)
         return buf.getvalue()
 
-    def table(self, only_casts: bool = False):
-        """A ``rich.table.Table`` of the rows (those with casts only, if asked)."""
+    def table(self, only_casts: bool = False, *, full: bool = False):
+        """A ``rich.table.Table``: one row per module path (what ran in which dtype, and what the policy
+        decided there), or with ``full=True`` one row per equation; ``only_casts`` keeps the equations
+        where jamp cast an input."""
+        from rich import box
         from rich.table import Table
 
-        table = Table(title="jamp.explain", show_lines=False)
-        for column in COLUMNS:
-            table.add_column(column)
-        for row in self.rows:
-            if not only_casts or row.casts:
-                d = dict(zip(OpRecord.__annotations__, dataclasses.astuple(row)))
-                table.add_row(*(", ".join(d[c]) if isinstance(d[c], tuple) else str(d[c]) for c in COLUMNS))
+        rows = [r for r in self.rows if r.casts or not only_casts]
+        how = "one row per equation" if full else "by module path; report.to_text(full=True) lists every equation"
+        table = Table(title=f"jamp.explain: {len(rows)} equations, {how}", title_justify="left",
+                      box=box.SIMPLE_HEAD, pad_edge=False)
+        columns = COLUMNS if full else REGION_COLUMNS
+        for column in columns:
+            table.add_column(column, overflow="fold", justify="right" if column in ("ops", "casts") else "left")
+        if full:
+            for row in rows:
+                d = dict(zip(OpRecord.__annotations__, dataclasses.astuple(row)), source=short_source(row.source))
+                table.add_row(*(", ".join(d[c]) if isinstance(d[c], tuple) else str(d[c]) for c in columns))
+        for path, group in ({} if full else _by_path(rows)).items():
+            table.add_row(path or "<top>", str(len(group)), _tally(d for r in group for d in _ran_floats(r)),
+                          _tally(r.rule for r in group if r.rule != oplists.PASSTHROUGH) or "-",
+                          str(sum(r.casts for r in group)),
+                          next((short_source(r.source).split(" (")[0] for r in group if r.source), ""))
         return table
 
-    def __str__(self) -> str:
+    def to_text(self, *, full: bool = False, width: int | None = None) -> str:
+        """:meth:`table` and the summary as plain text, ``width`` columns wide (default: 120 by module
+        path, as wide as it needs with ``full=True``)."""
         from rich.console import Console
 
-        console = Console(file=io.StringIO(), width=200, color_system=None)
-        console.print(self.table())
+        console = Console(file=io.StringIO(), width=width or (10_000 if full else 120), color_system=None)
+        console.print(self.table(full=full))
         console.print(", ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}"
-                                for k, v in self.summary.items()))
-        return console.file.getvalue()
+                                for k, v in self.summary.items()), width=width or 120)
+        return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines()) + "\n"
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+# "decided": the policy's rules that ran there, without passthrough (ops that take whatever dtype arrives).
+REGION_COLUMNS = ("path", "ops", "ran in", "decided", "casts", "source")
+_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
+
+
+def _by_path(rows: list[OpRecord]) -> dict[str, list[OpRecord]]:
+    """Rows grouped by module path, in the order the paths first run."""
+    groups: dict[str, list[OpRecord]] = {}
+    for row in rows:
+        groups.setdefault(row.path, []).append(row)
+    return groups
+
+
+def _ran_floats(row: OpRecord) -> set[str]:
+    return {_SHORT.get(d, d) for d in row.ran_dtypes if d.startswith(("float", "bfloat"))}
+
+
+def _tally(values) -> str:
+    """'f16 3, f32 1': how often each value occurs, most frequent first."""
+    return ", ".join(f"{v} {n}" for v, n in collections.Counter(values).most_common())
 
 
 def _touches_float(r: OpRecord) -> bool:
