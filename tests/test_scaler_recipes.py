@@ -137,6 +137,35 @@ def test_accumulation_with_multisteps():
     chex.assert_trees_all_close(params, control, atol=1e-6, rtol=1e-5)
 
 
+def test_scaler_around_multisteps_drops_only_the_overflowing_micro_batch():
+    """jamp.scaler(optax.MultiSteps(sgd, 2)): each micro-batch is unscaled with its own scale and checked
+    on its own; the one that overflows is dropped (MultiSteps' accumulator untouched) and the window waits
+    for another clean one, so every update is the mean of 2 clean micro-batches. torch skips the window."""
+    tx = scaling_tx(optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2))
+    data = [tuple(jax.random.normal(k, (2, 8, 8))) for k in jax.random.split(jax.random.key(2), 6)]
+
+    @jax.jit
+    def step(p, s, x, y, inject):
+        u, s = tx.update(poison(scaled_grads(p, s, x, y), inject), s, p)
+        return optax.apply_updates(p, u), s
+
+    params, state, trace = PARAMS, tx.init(PARAMS), []
+    for i, (x, y) in enumerate(data):
+        params, state = step(params, state, x, y, i == 1)
+        trace.append((bool(jamp.found_inf(state)), float(jamp.get_scale(state)), int(state.inner_state.mini_step)))
+    # growth_interval=1: the scale moves every micro-batch, so the second window mixes scales 256 and 512
+    assert trace == [(False, 256.0, 1), (True, 128.0, 1), (False, 256.0, 0),
+                     (False, 512.0, 1), (False, 1024.0, 0), (False, 2048.0, 1)]
+
+    def mean_grad(p, *batches):
+        return jax.tree.map(lambda *g: sum(g) / len(g), *(jax.grad(mse)(p, x, y) for x, y in batches))
+
+    p1 = jax.tree.map(lambda p, g: p - g, PARAMS, mean_grad(PARAMS, data[0], data[2]))
+    p2 = jax.tree.map(lambda p, g: p - g, p1, mean_grad(p1, data[3], data[4]))
+    chex.assert_trees_all_close(params, p2, atol=1e-6, rtol=1e-5)
+    chex.assert_trees_all_close(state.inner_state.acc_grads, mean_grad(p2, data[5]), atol=1e-6, rtol=1e-5)
+
+
 def test_accumulation_by_summing_scaled_grads_skips_the_whole_window():
     """Accumulate scaled grads yourself, update once: an overflow in any micro-batch skips the window."""
     tx = scaling_tx(optax.sgd(1.0))

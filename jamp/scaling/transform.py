@@ -73,10 +73,11 @@ def _check_inner(inner: tuple) -> optax.GradientTransformationExtraArgs:
             "optax.chain(jamp.scaler(), ...): a scaler placed first in a chain could zero the updates of an "
             "overflowing step but not stop the later transformations from updating their state"
         )
-    for i, tx in enumerate(inner):
-        if not isinstance(tx, optax.GradientTransformation):
+    for i, tx in enumerate(inner):  # duck-typed as optax.chain does, so optax.MultiSteps(...) fits too
+        if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             raise TypeError(
-                f"jamp.scaler's argument {i} must be an optax.GradientTransformation, got {type(tx).__name__}"
+                f"jamp.scaler's argument {i} must be an optax.GradientTransformation (or have its init and "
+                f"update, as optax.MultiSteps does), got {type(tx).__name__}"
             )
     return optax.with_extra_args_support(inner[0] if len(inner) == 1 else optax.chain(*inner))
 
