@@ -1,5 +1,6 @@
 """Mixed precision on real data: a small CNN on scikit-learn's handwritten digits, four ways.
 
+    pip install -e ".[examples]"          # scikit-learn (the data), matplotlib (the figure), tqdm
     python examples/digits.py [--steps 400] [--out digits.png]
 
 Same seed, same batches, same step budget for every run:
@@ -115,7 +116,8 @@ def train(name: str, forward: Callable, scaling: bool, params: dict, data: Data,
     opt_state = tx.init(params)
     step = make_step(forward, tx)
     losses, scales, skipped = [], [], []
-    bar = tqdm(batch_indices(len(data.y_train), steps), desc=f"{name:>13}", leave=True)
+    # disable=None: no bar when stderr is not a terminal (a log file would get a line per update)
+    bar = tqdm(batch_indices(len(data.y_train), steps), desc=f"{name:>13}", leave=True, disable=None)
     for idx in bar:
         scales.append(float(jamp.get_scale(opt_state)))  # the scale this step's loss is multiplied by
         params, opt_state, loss = step(params, opt_state, data.x_train[idx], data.y_train[idx])

@@ -24,9 +24,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = jax.nn.relu(self.hidden(x))
-        # NNX adds no name scopes of its own, so region rules need explicit ones. Without this scope the
-        # norm follows the per-op rules: float32 sums, but x**2 in float16 (inf once |x| > 256).
-        with jax.named_scope("LayerNorm"):  # the GPU policy's built-in "LayerNorm*" rule: float32
+        # NNX adds no name scopes of its own, so region rules need explicit ones. This one puts the whole
+        # norm under the GPU policy's built-in "LayerNorm*" rule (torch's layer_norm runs in float32), the
+        # way flax linen's module path does; nnx.LayerNorm computes its statistics in float32 anyway.
+        with jax.named_scope("LayerNorm"):
             x = self.norm(x)
         with jax.named_scope("head"):  # our rule below: float32 logits
             return self.head(x)
@@ -65,8 +66,7 @@ def main() -> None:
     for i in range(steps):
         loss = train_step(model, optimizer, x, y)
         if i % max(1, steps // 5) == 0 or i == steps - 1:
-            # nnx.Optimizer keeps its state leaves in OptArray variables: [...] reads the array.
-            scale, skipped = jamp.get_scale(optimizer.opt_state)[...], jamp.found_inf(optimizer.opt_state)[...]
+            scale, skipped = jamp.get_scale(optimizer.opt_state), jamp.found_inf(optimizer.opt_state)
             print(f"step {i:4d}  loss {float(loss):.4f}  scale {float(scale):g}  skipped {bool(skipped)}")
 
     report = jamp.explain(lambda model, x: model(x), policy=POLICY)(model, x)

@@ -185,6 +185,24 @@ def test_every_marker_in_the_docs_is_known_and_expands():
     assert "<!-- jamp:" not in expanded
 
 
+# The examples extra in pyproject.toml, as import name -> distribution.
+EXAMPLES_EXTRA = {"sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm"}
+
+
+def test_readme_lists_every_example_with_the_extra_it_needs():
+    readme = (ROOT / "README.md").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    extra = re.search(r"^examples = \[(.*?)\]", pyproject, re.M | re.S).group(1)
+    assert sorted(re.findall(r'"([\w-]+)', extra)) == sorted(EXAMPLES_EXTRA.values())
+    for script in sorted((ROOT / "examples").glob("*.py")):
+        line = next((ln for ln in readme.split("\n- ") if f"`{script.name}`" in ln), None)
+        assert line is not None, f"README.md's example list does not name {script.name}"
+        imported = {m.split(".")[0] for m in re.findall(r"^(?:from|import) ([\w.]+)", script.read_text(), re.M)}
+        if imported & set(EXAMPLES_EXTRA):
+            docstring = script.read_text().split('"""')[1]
+            assert '.[examples]' in line and '.[examples]' in docstring, script.name
+
+
 def test_every_benchmark_is_documented():
     performance = (DOCS / "performance.md").read_text()
     for script in sorted((ROOT / "benchmarks").glob("*.py")):
