@@ -7,7 +7,7 @@ advancing their counts and moments.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -21,23 +21,6 @@ from jamp.scaling import state as scaler_state
 from jamp.scaling.state import DisabledScalerState, ScalerState
 
 _BACKENDS = ("auto", "xla", "pallas", "interpret")
-
-
-def _xla(grads, inv_scale, backend):
-    """Plain jnp: XLA fuses the unscale into the optimizer's loops, so unscaled grads never hit memory."""
-    return jamp_kernels.unscale(grads, inv_scale), jamp_kernels.has_nonfinite(grads)
-
-
-def _kernel(grads, inv_scale, backend):
-    """The fused unscale + check kernel (one pass over the grads, unscaled grads written out)."""
-    return jamp_kernels.unscale_and_check(grads, inv_scale, backend=backend)
-
-
-def _path(backend: str) -> Callable:
-    """backend -> how update() unscales and checks; "auto" is resolved when update() is traced."""
-    if backend == "auto":
-        return _kernel if jax.default_backend() == "gpu" else _xla
-    return _xla if backend == "xla" else _kernel
 
 
 def _combine(found_inf: jax.Array, axis_name: Hashable | tuple | None) -> jax.Array:
@@ -102,9 +85,10 @@ def scaler(
     the scale by torch's ``_amp_update_scale_`` rule (:mod:`jamp.scaling.rule`). Produce the scaled grads
     with ``jamp.scale(loss, opt_state)`` or ``jamp.value_and_grad``.
 
-    ``backend``: "xla" (jnp check and unscale, which XLA fuses into ``inner``), "pallas"/"interpret" (the
-    fused ``jamp_kernels.unscale_and_check``), "auto" (the kernel when the default backend is a GPU, else
-    xla). The skip is a select, not a ``lax.cond``: see :mod:`jamp.scaling.skip` for why that is the fast form.
+    ``backend`` picks the finite check (``jamp_kernels.has_nonfinite``): "auto" (one Pallas kernel launch over
+    all leaves on CUDA, XLA's fused reductions elsewhere), "xla", "pallas", "interpret"; the unscale is plain
+    jnp that XLA fuses into ``inner``. The skip is a select, not a ``lax.cond``, in the form that is fastest
+    on the platform the step is lowered for (see :mod:`jamp.scaling.skip`).
     ``min_scale``/``max_scale`` are extras beyond torch, off by default. ``enabled=False`` applies ``inner``
     on every step, validates nothing but ``inner``, and makes ``jamp.scale`` the identity.
 
@@ -135,11 +119,13 @@ def scaler(
         )
 
     def update(grads: optax.Updates, state: ScalerState, params: optax.Params | None = None, **extra: Any):
-        # == float32(1 / float64(scale)) (tests/test_scaler_torch.py), kept normal above 2**126
-        inv_scale = jamp_kernels.inverse(state.scale)
-        unscaled, found_inf = _path(backend)(grads, inv_scale, backend)
-        found_inf = _combine(jnp.asarray(found_inf, jnp.bool_), axis_name)
-        updates, inner_state = skip.step_or_skip(inner_tx.update, found_inf, unscaled, state.inner_state, params, extra)
+        found_inf = _combine(jamp_kernels.has_nonfinite(grads, backend=backend), axis_name)
+        # == float32(1 / float64(scale)) (tests/test_scaler_torch.py), kept normal above 2**126. XLA fuses
+        # the unscale into inner's loops; zeroing a skipped step's grads means the computation that is
+        # discarded never sees inf/NaN (an SVD of an inf matrix may never return).
+        unscaled = jamp_kernels.unscale(grads, jamp_kernels.inverse(state.scale))
+        finite = jax.tree.map(lambda g: jnp.where(found_inf, jnp.zeros_like(g), g), unscaled)
+        updates, inner_state = skip.step_or_skip(inner_tx.update, found_inf, finite, state.inner_state, params, extra)
         scale, tracker = scale_rule.next_scale(state, found_inf)
         return updates, state._replace(
             scale=scale, growth_tracker=tracker, found_inf=found_inf, inner_state=inner_state
