@@ -189,6 +189,8 @@ def get_policy(spec: str | Policy, *, device_type: str | None = None) -> Policy:
             if not sep or key not in _KEY_ALIASES:
                 raise ValueError(f"policy {spec!r}: cannot parse {item!r}; expected key=value with keys "
                                  f"{sorted(_KEY_ALIASES)}")
+            if _KEY_ALIASES[key] in fields:
+                raise ValueError(f"policy {spec!r}: key {_KEY_ALIASES[key]!r} given twice; give each key once")
             fields[_KEY_ALIASES[key]] = value
     device = fields.get("device") or device_type or default_device_type()
     compute = fields.get("compute")

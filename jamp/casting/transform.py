@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import collections
 import functools
+import numbers
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -56,6 +57,26 @@ def _check_device_type(device_type: str | None) -> str | None:
     return device_type
 
 
+def _static_argnums(static_argnums: Any) -> tuple[int, ...]:
+    """An int or a collection of ints (negative ones count from the end of each call's arguments)."""
+    nums = (static_argnums,) if isinstance(static_argnums, numbers.Integral) else static_argnums
+    if isinstance(nums, Iterable) and not isinstance(nums, str):
+        nums = tuple(nums)
+        if all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in nums):
+            return tuple(sorted({int(i) for i in nums}))
+    raise TypeError(f"static_argnums must be an int or a sequence of ints, got {static_argnums!r}")
+
+
+def _static_argnames(static_argnames: Any) -> tuple[str, ...]:
+    """A str or a collection of strs."""
+    names = (static_argnames,) if isinstance(static_argnames, str) else static_argnames
+    if isinstance(names, Iterable):
+        names = tuple(names)
+        if all(isinstance(n, str) for n in names):
+            return tuple(set(names))
+    raise TypeError(f"static_argnames must be a str or a sequence of strs, got {static_argnames!r}")
+
+
 class _Entry:
     """One traced signature: the rewritten jaxpr, its output tree, and its executable."""
 
@@ -85,9 +106,10 @@ class Autocast:
         if isinstance(policy, str):  # validate now; resolving the device waits for the first call
             get_policy(policy, device_type=device_type or "gpu")
         self._policy_arg = policy
-        self.static_argnums = tuple(sorted({static_argnums} if isinstance(static_argnums, int) else set(static_argnums)))
-        self.static_argnames = tuple({static_argnames} if isinstance(static_argnames, str) else static_argnames)
+        self.static_argnums = _static_argnums(static_argnums)
+        self.static_argnames = _static_argnames(static_argnames)
         self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._cache_lock = threading.Lock()  # threads share the cache: a lookup must not see another's eviction
         functools.update_wrapper(self, fun, updated=())
 
     @functools.cached_property
@@ -117,9 +139,11 @@ class Autocast:
 
     def _prepare(self, args: tuple, kwargs: dict):
         """(cache key, dynamic leaves, signature for ``_original``/``_trace``) of one call."""
-        static_args = tuple((i, args[i]) for i in self.static_argnums if i < len(args))
+        # as jax.jit: a negative index counts from the end of this call's positional arguments
+        argnums = sorted({i % len(args) for i in self.static_argnums if -len(args) <= i < len(args)})
+        static_args = tuple((i, args[i]) for i in argnums)
         static_kwargs = tuple(sorted((k, kwargs[k]) for k in self.static_argnames if k in kwargs))
-        rest_args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+        rest_args = tuple(a for i, a in enumerate(args) if i not in argnums)
         rest_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         leaves, treedef = jax.tree.flatten((rest_args, rest_kwargs))
         dynamic_mask = tuple(_is_dynamic(x) for x in leaves)
@@ -133,17 +157,19 @@ class Autocast:
     def _call(self, args: tuple, kwargs: dict):
         key, dynamic, signature = self._prepare(args, kwargs)
         try:
-            entry = self._cache.get(key)
+            with self._cache_lock:
+                entry = self._cache.get(key)
+                if entry is not None:
+                    self._cache.move_to_end(key)
         except TypeError:  # an unhashable static argument: trace every call
             key, entry = None, None
         if entry is None:
-            entry = self._trace(*signature)
+            entry = self._trace(*signature)  # outside the lock: tracing may call other autocast functions
             if key is not None:
-                self._cache[key] = entry
-                if len(self._cache) > _CACHE_SIZE:
-                    self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
+                with self._cache_lock:
+                    self._cache[key] = entry
+                    if len(self._cache) > _CACHE_SIZE:
+                        self._cache.popitem(last=False)
         return jax.tree.unflatten(entry.out_tree, entry.run(dynamic))
 
     def rewrite(self, *args, recorder: Any = None, **kwargs) -> tuple[jc.ClosedJaxpr, Any]:

@@ -52,12 +52,17 @@ def found_inf(opt_state: Any) -> jax.Array:
 def set_scale(opt_state: Any, new_scale: Any) -> Any:
     """torch's ``update(new_scale)``: the scale becomes ``float32(new_scale)``, the tracker is untouched.
 
-    Like torch, the value is not validated; it may be a traced scalar. A no-op when disabled.
+    Like torch, the value is not range-checked; it may be a traced scalar. It must have one element (torch
+    accepts a float or a one-element tensor); a replicated state gets it on every replica. A no-op when
+    disabled.
     """
     st = scaler_state.find(opt_state)
     if isinstance(st, DisabledScalerState):
         return opt_state
-    return scaler_state.replace(opt_state, st._replace(scale=jnp.reshape(jnp.asarray(new_scale, jnp.float32), ())))
+    value = jnp.asarray(new_scale, jnp.float32)
+    if value.size != 1:
+        raise ValueError(f"new_scale must be a scalar or a one-element array, got shape {value.shape}")
+    return scaler_state.replace(opt_state, st._replace(scale=jnp.broadcast_to(value.reshape(()), jnp.shape(st.scale))))
 
 
 def value_and_grad(

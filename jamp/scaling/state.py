@@ -47,10 +47,16 @@ class DisabledScalerState(NamedTuple):
 
 
 def real(name: str, value: Any) -> float:
-    """``value`` as a Python float; TypeError naming ``name`` for bools and non-numbers."""
+    """``value`` as a Python float; TypeError naming ``name`` for bools and non-numbers.
+
+    An int too large for a float (``10**400``) becomes +-inf, so the caller's range check names it.
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def f32(value: float) -> np.float32:
@@ -60,8 +66,10 @@ def f32(value: float) -> np.float32:
 
 
 # name -> (test on the float value, what is allowed): the constructor's and load_state_dict's checks.
+_SCALE_RULE = (lambda v: math.isfinite(f32(v)) and f32(v) > 0, "a finite float > 0 (in float32)")
 _FLOAT_RULES = {
-    "init_scale": (lambda v: math.isfinite(f32(v)) and f32(v) > 0, "a finite float > 0 (in float32)"),
+    "init_scale": _SCALE_RULE,
+    "scale": _SCALE_RULE,  # load_state_dict's key
     "growth_factor": (lambda v: math.isfinite(v) and v > 1.0, "a finite float > 1.0"),
     "backoff_factor": (lambda v: 0.0 < v < 1.0, "a float in (0, 1)"),
     "min_scale": (lambda v: math.isfinite(f32(v)) and f32(v) > 0, "None or a finite float > 0 (in float32)"),
@@ -69,7 +77,8 @@ _FLOAT_RULES = {
 }
 
 
-def _checked_float(name: str, value: Any) -> float:
+def checked_float(name: str, value: Any) -> float:
+    """``value`` as a float that passes ``_FLOAT_RULES[name]``, else TypeError/ValueError naming ``name``."""
     v = real(name, value)
     ok, allowed = _FLOAT_RULES[name]
     if not ok(v):
@@ -89,16 +98,16 @@ def checked_int(name: str, value: Any, low: int) -> int:
 def torch_hyperparams(*, growth_factor: Any, backoff_factor: Any, growth_interval: Any) -> dict:
     """Validated torch hyperparameters as the numpy values of their ScalerState fields."""
     return {
-        "growth_factor": exact_mul.to_words(_checked_float("growth_factor", growth_factor)),
-        "backoff_factor": exact_mul.to_words(_checked_float("backoff_factor", backoff_factor)),
+        "growth_factor": exact_mul.to_words(checked_float("growth_factor", growth_factor)),
+        "backoff_factor": exact_mul.to_words(checked_float("backoff_factor", backoff_factor)),
         "growth_interval": np.int32(checked_int("growth_interval", growth_interval, 1)),
     }
 
 
 def bounds(min_scale: Any, max_scale: Any) -> dict:
     """Validated ``min_scale``/``max_scale`` fields; None means no bound (0 and inf)."""
-    lo = 0.0 if min_scale is None else _checked_float("min_scale", min_scale)
-    hi = math.inf if max_scale is None else _checked_float("max_scale", max_scale)
+    lo = 0.0 if min_scale is None else checked_float("min_scale", min_scale)
+    hi = math.inf if max_scale is None else checked_float("max_scale", max_scale)
     if lo > hi:
         raise ValueError(f"min_scale must be <= max_scale, got min_scale={min_scale!r} > max_scale={max_scale!r}")
     return {"min_scale": np.float32(lo), "max_scale": np.float32(hi)}
@@ -106,7 +115,7 @@ def bounds(min_scale: Any, max_scale: Any) -> dict:
 
 def checked_init_scale(init_scale: Any, hp: dict) -> np.float32:
     """``init_scale`` rounded to float32 (as torch's ``torch.full((), init_scale)``), inside [min, max]."""
-    s = f32(_checked_float("init_scale", init_scale))
+    s = f32(checked_float("init_scale", init_scale))
     if not hp["min_scale"] <= s <= hp["max_scale"]:
         raise ValueError(f"init_scale must lie in [min_scale, max_scale], got {init_scale!r}")
     return s
