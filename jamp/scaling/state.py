@@ -46,13 +46,19 @@ class DisabledScalerState(NamedTuple):
     inner_state: optax.OptState
 
 
+def shown(value: Any, width: int = 40) -> str:
+    """``repr(value)`` cut to ``width`` characters, so an error about ``10**400`` stays one line."""
+    text = repr(value)
+    return text if len(text) <= width else f"{text[:width - 12]}...({len(text)} chars)"
+
+
 def real(name: str, value: Any) -> float:
     """``value`` as a Python float; TypeError naming ``name`` for bools and non-numbers.
 
     An int too large for a float (``10**400``) becomes +-inf, so the caller's range check names it.
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
+        raise TypeError(f"{name} must be a real number, got {shown(value)} of type {type(value).__name__}")
     try:
         return float(value)
     except OverflowError:
@@ -82,16 +88,16 @@ def checked_float(name: str, value: Any) -> float:
     v = real(name, value)
     ok, allowed = _FLOAT_RULES[name]
     if not ok(v):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise ValueError(f"{name} must be {allowed}, got {shown(value)}")
     return v
 
 
 def checked_int(name: str, value: Any, low: int) -> int:
     """``value`` as an int in ``[low, 2**31 - 1]`` (it is stored as int32), else TypeError/ValueError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= {low}, got {value!r} of type {type(value).__name__}")
+        raise TypeError(f"{name} must be an int >= {low}, got {shown(value)} of type {type(value).__name__}")
     if not low <= int(value) <= _INT32_MAX:
-        raise ValueError(f"{name} must be an int in [{low}, {_INT32_MAX}], got {value!r}")
+        raise ValueError(f"{name} must be an int in [{low}, {_INT32_MAX}], got {shown(value)}")
     return int(value)
 
 
