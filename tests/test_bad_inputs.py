@@ -39,6 +39,24 @@ def _replicas_disagree():
     return state._replace(scale=state.scale.at[1].set(16.0))
 
 
+def _top_level_with():
+    with jamp.autocast(device_type="gpu"):
+        pass
+
+
+def _with_static_argnums():
+    def f(x):
+        with jamp.autocast(enabled=False, static_argnums=0):
+            return x
+
+    jamp.autocast(f)(GRADS["w"])
+
+
+def _restored_without_target():
+    """What orbax's restore(path) gives for {"opt_state": _state()} without a target: NamedTuples become dicts."""
+    return {"opt_state": _state()._asdict()}
+
+
 # (description, thunk, exception type, regex the message must match)
 BAD_INPUTS = [
     # autocast
@@ -58,6 +76,19 @@ BAD_INPUTS = [
      r"static_argnames must be a str or a sequence of strs, got 3"),
     ("static_argnames list of int", lambda: jamp.autocast(IDENTITY, static_argnames=["n", 0]), TypeError,
      r"static_argnames"),
+    ("autocast policy name", lambda: jamp.autocast(IDENTITY, policy="gpuu"), ValueError,
+     (r"'gpuu' is not a policy name.*device name \('cpu', 'cuda', 'gpu', 'tpu'\).*'mixed_float16'.*'bf16'.*"
+      r"p=f32,c=bf16,o=f32.*Did you mean 'gpu'\?")),
+    ("autocast enabled not a bool", lambda: jamp.autocast(IDENTITY, enabled="no"), TypeError,
+     r"enabled must be a bool.*'no' of type str"),
+    ("autocast cache_enabled not a bool", lambda: jamp.autocast(IDENTITY, cache_enabled=None), TypeError,
+     r"cache_enabled must be a bool"),
+    ("autocast decorator enabled not a bool", lambda: jamp.autocast(enabled=1), TypeError, r"enabled must be a bool"),
+    ("autocast str output", lambda: jamp.autocast(lambda x: {"y": x, "name": "run"})(GRADS["w"]), TypeError,
+     r"<lambda> returned str 'run' as output\['name'\].*pytree of arrays and Python numbers"),
+    ("autocast with at top level", _top_level_with, RuntimeError,
+     r"outside any function that jamp.autocast transforms.*jamp.autocast\(fn, device_type='gpu'\)\(\*args\)"),
+    ("autocast with static_argnums", _with_static_argnums, TypeError, r"static_argnums .* a `with"),
     ("custom_fwd cast_inputs", lambda: jamp.custom_fwd(IDENTITY, cast_inputs="int8"), ValueError, r"cast_inputs"),
     ("custom_fwd non-callable", lambda: jamp.custom_fwd(3), TypeError, r"custom_fwd requires a callable"),
     # policies
@@ -101,6 +132,14 @@ BAD_INPUTS = [
     ("scaler backend", lambda: jamp.scaler(optax.sgd(0.1), backend="gpu"), ValueError, r"backend"),
     ("scaler without inner", lambda: jamp.scaler(), TypeError, r"jamp.scaler\(optax.adam"),
     ("scaler inner type", lambda: jamp.scaler(lambda g: g), TypeError, r"argument 0 must be an optax"),
+    ("scaler enabled not a bool", lambda: jamp.scaler(optax.sgd(0.1), enabled="no"), TypeError,
+     r"enabled must be a bool"),
+    ("scaler under inject_hyperparams",
+     lambda: optax.inject_hyperparams(jamp.scaler)(optax.sgd(0.1), init_scale=4.0).init(GRADS), TypeError,
+     (r"inject_hyperparams\(jamp.scaler\) is not supported.*"
+      r"jamp.scaler\(optax.inject_hyperparams\(optax.adam\)\(learning_rate=1e-3\)\)")),
+    ("value_and_grad without opt_state", lambda: jamp.value_and_grad(lambda p: p["w"].sum())(GRADS), TypeError,
+     r"first argument must be the optimizer state.*jamp.value_and_grad\(loss_fn\)\(opt_state, params, batch\)"),
     # state dicts
     ("load empty state_dict", lambda: jamp.load_state_dict(_state(), {}), ValueError, r"disabled"),
     ("load state_dict missing key", lambda: jamp.load_state_dict(_state(), {"scale": 2.0}), ValueError,
@@ -123,6 +162,12 @@ BAD_INPUTS = [
     ("set_scale shape", lambda: jamp.set_scale(_state(), jnp.ones(3)), ValueError,
      r"new_scale must be a scalar or a one-element array, got shape \(3,\)"),
     ("helpers without a scaler", lambda: jamp.get_scale(optax.sgd(0.1).init(GRADS)), ValueError, r"opt_state.*no jamp.scaler state"),
+    ("helpers on a checkpoint restored without a target", lambda: jamp.get_scale(_restored_without_target()),
+     ValueError, (r"ScalerState's fields at \['opt_state'\].*restored without a target.*tx.init\(params\).*"
+                  r"jax.eval_shape\(tx.init, params\)")),
+    ("value_and_grad on a checkpoint restored without a target",
+     lambda: jamp.value_and_grad(lambda p: p["w"].sum())(_restored_without_target(), GRADS), ValueError,
+     r"restored without a target"),
 ]
 
 

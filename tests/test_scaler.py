@@ -452,6 +452,19 @@ def test_state_survives_orbax(tmp_path):
     assert jamp.state_dict(restored)["growth_factor"] == 1.1 and float(restored.min_scale) == 0.5
 
 
+def test_orbax_restore_without_a_target_says_to_give_one(tmp_path):
+    tx, state = _trained_state()
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "state", {"opt_state": state})
+    ckpt.wait_until_finished()
+    untargeted = ckpt.restore(tmp_path / "state")
+    with pytest.raises(ValueError, match=r"ScalerState's fields at \['opt_state'\].*restored without a target.*"
+                                         r"jax.eval_shape\(tx.init, params\)"):
+        jamp.get_scale(untargeted)
+    restored = ckpt.restore(tmp_path / "state", {"opt_state": jax.eval_shape(tx.init, PARAMS)})
+    assert float(jamp.get_scale(restored)) == float(jamp.get_scale(state))
+
+
 def test_changing_hyperparameters_never_recompiles():
     tx = jamp.scaler(optax.adam(1e-3), init_scale=4.0, growth_interval=1)
     traces = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -12,6 +13,7 @@ import numpy as np
 
 from jamp.casting import oplists
 from jamp.casting.dtypes import (
+    DTYPE_NAMES,
     ELIGIBLE_DTYPES,
     FLOAT32,
     LOW_DTYPES,
@@ -160,6 +162,20 @@ def default_device_type() -> str:
 _KEY_ALIASES = {"p": "params", "param": "params", "params": "params", "c": "compute", "compute": "compute",
                 "o": "output", "output": "output", "d": "device", "device": "device"}
 _NAMED = {"mixed_float16": ("gpu", "float16"), "mixed_bfloat16": (None, "bfloat16")}
+# The names a policy string may be, without "=": (what they are, the names).
+_NAME_FORMS = (
+    ("a device name", tuple(sorted(oplists.DEVICE_ALIASES))),
+    ("a Keras name", tuple(sorted(_NAMED))),
+    ("a compute dtype", tuple(sorted(k for k, v in DTYPE_NAMES.items() if np.dtype(v) in LOW_DTYPES))),
+)
+
+
+def _unknown_name(spec: str, text: str) -> ValueError:
+    forms = "; ".join(f"{what} ({', '.join(map(repr, names))})" for what, names in _NAME_FORMS)
+    close = difflib.get_close_matches(text, [n for _, names in _NAME_FORMS for n in names], n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"policy {spec!r} is not a policy name. A policy string is {forms}; or jmp's key list such "
+                      f"as 'p=f32,c=bf16,o=f32' with keys {sorted(_KEY_ALIASES)}.{hint}")
 
 
 def get_policy(spec: str | Policy, *, device_type: str | None = None) -> Policy:
@@ -182,6 +198,8 @@ def get_policy(spec: str | Policy, *, device_type: str | None = None) -> Policy:
         if device:
             fields["device"] = device
     elif "=" not in text:
+        if text not in DTYPE_NAMES:
+            raise _unknown_name(spec, text)
         fields["compute"] = text
     else:
         for item in filter(None, (s.strip() for s in text.split(","))):

@@ -78,6 +78,13 @@ def value_and_grad(
     """
 
     def grads_of(opt_state: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if not scaler_state.all_states(opt_state) and not scaler_state.restored_without_target(opt_state):
+            raise TypeError(
+                f"jamp.value_and_grad({getattr(fun, '__name__', 'loss_fn')})(opt_state, *args): the first argument "
+                f"must be the optimizer state that holds the jamp.scaler state (tx.init(params)), got a "
+                f"{type(opt_state).__name__} that holds none. Call it as jamp.value_and_grad(loss_fn)(opt_state, "
+                "params, batch), where loss_fn(params, batch) returns the loss")
+
         def scaled(*a: Any, **k: Any):
             out = fun(*a, **k)
             loss = out[0] if has_aux else out

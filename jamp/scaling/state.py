@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -131,16 +132,47 @@ def is_scaler_state(x: Any) -> bool:
     return isinstance(x, (ScalerState, DisabledScalerState))
 
 
+def checked_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r} of type {type(value).__name__}")
+    return bool(value)
+
+
+def all_states(tree: Any) -> list[ScalerState | DisabledScalerState]:
+    """Every scaler state inside ``tree``."""
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_scaler_state) if is_scaler_state(x)]
+
+
+# The fields by which a ScalerState restored without a target (orbax gives a dict) is recognised.
+_RESTORED_FIELDS = frozenset({"scale", "growth_tracker", "inner_state"})
+
+
+def restored_without_target(tree: Any) -> list[str]:
+    """Paths of dicts that hold a ScalerState's fields: a checkpoint restored without a target."""
+    def is_restored(x: Any) -> bool:
+        return isinstance(x, Mapping) and _RESTORED_FIELDS <= x.keys()
+
+    paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_restored)[0]
+    return [jax.tree_util.keystr(p) or "opt_state itself" for p, x in paths if is_restored(x)]
+
+
 def find(opt_state: Any) -> ScalerState | DisabledScalerState:
     """The one scaler state inside ``opt_state`` (MultiSteps, inject_hyperparams, multi_transform, chain...)."""
-    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_scaler_state) if is_scaler_state(x)]
-    if len(found) != 1:
-        what = "no jamp.scaler state" if not found else f"{len(found)} jamp.scaler states"
+    found = all_states(opt_state)
+    if len(found) == 1:
+        return found[0]
+    restored = [] if found else restored_without_target(opt_state)
+    if restored:
         raise ValueError(
-            f"expected exactly one jamp.scaler state in opt_state, found {what}; pass the optimizer state "
-            "returned by jamp.scaler(...).init/update, or the part of it that holds the scaler you mean"
-        )
-    return found[0]
+            f"found no jamp.scaler state in opt_state, but a dict with jamp.ScalerState's fields at "
+            f"{', '.join(restored)}: a checkpoint restored without a target gives dicts for NamedTuples. Restore "
+            "with a target so the structure comes back, e.g. checkpointer.restore(path, {'opt_state': "
+            "tx.init(params), ...}) or, without allocating, jax.eval_shape(tx.init, params) as the target")
+    what = "no jamp.scaler state" if not found else f"{len(found)} jamp.scaler states"
+    raise ValueError(
+        f"expected exactly one jamp.scaler state in opt_state, found {what}; pass the optimizer state "
+        "returned by jamp.scaler(...).init/update, or the part of it that holds the scaler you mean"
+    )
 
 
 def replace(opt_state: Any, new: ScalerState | DisabledScalerState) -> Any:

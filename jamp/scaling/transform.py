@@ -7,7 +7,8 @@ advancing their counts and moments.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import functools
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -64,6 +65,29 @@ def _check_inner(inner: tuple) -> optax.GradientTransformationExtraArgs:
     return optax.with_extra_args_support(inner[0] if len(inner) == 1 else optax.chain(*inner))
 
 
+def _not_injectable(factory: Callable) -> Callable:
+    """Refuse ``optax.inject_hyperparams(jamp.scaler)`` with a message that shows what to write instead.
+
+    inject_hyperparams calls its factory with every parameter by keyword, ``*more`` included, and would turn
+    the scaler's hyperparameters into arrays that ``update`` never reads: they already live in the
+    scaler's state (changed with ``jamp.load_state_dict``/``jamp.set_scale``, no recompilation).
+    """
+
+    @functools.wraps(factory)
+    def wrapper(*args: Any, **kwargs: Any) -> optax.GradientTransformationExtraArgs:
+        if "more" in kwargs:
+            raise TypeError(
+                "optax.inject_hyperparams(jamp.scaler) is not supported: the scaler's hyperparameters are "
+                "arrays in its state already (change them with jamp.load_state_dict or jamp.set_scale). "
+                "To schedule or change the optimizer's hyperparameters, inject them into the optimizer the "
+                "scaler wraps: jamp.scaler(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)), then "
+                "opt_state.inner_state.hyperparams['learning_rate']")
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
+@_not_injectable
 def scaler(
     inner: optax.GradientTransformation | None = None,
     *more: optax.GradientTransformation,
@@ -97,7 +121,7 @@ def scaler(
     each group its own scaler (then each has its own scale).
     """
     inner_tx = _check_inner(() if inner is None else (inner, *more))
-    if not enabled:
+    if not scaler_state.checked_bool("enabled", enabled):
         return _disabled(inner_tx)
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
