@@ -38,7 +38,11 @@ class OpRecord:
 
     @property
     def low_precision(self) -> bool:
-        return any(d in ("float16", "bfloat16") for d in self.ran_dtypes)
+        return self.float8 or any(d in ("float16", "bfloat16") for d in self.ran_dtypes)
+
+    @property
+    def float8(self) -> bool:
+        return any(d.startswith("float8") for d in self.ran_dtypes)
 
 
 def _dtypes(values) -> tuple:
@@ -110,6 +114,7 @@ class Report:
             "matmul_conv_count": len(matmuls),
             "matmul_conv_low_precision": sum(r.low_precision for r in matmuls),
             "low_precision_flop_share": (sum(r.flops for r in matmuls if r.low_precision) / total) if total else 0.0,
+            "float8_flop_share": (sum(r.flops for r in matmuls if r.float8) / total) if total else 0.0,
             "casts_inserted": sum(r.casts for r in self.rows),
             "activation_bytes_saved": sum(r.traced_out_bytes - r.out_bytes for r in self.rows),
         }
