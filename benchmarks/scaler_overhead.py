@@ -7,6 +7,11 @@ every variant once) and the median is reported, so machine-load drift hits all v
 
     python benchmarks/scaler_overhead.py [--small] [--rounds 9]
 
+``jamp.scaler(adam)`` is the default (backend "auto", the skip form the platform's entry in
+``jamp.scaling.skip.FORM_OF_PLATFORM`` names); the two rows below it force each skip form, so both are
+measured on every platform. On a GPU a second table gives what a ``jax.profiler`` trace shows per step:
+kernels launched, their device time, the span from first to last kernel, and the costliest ops.
+
 Peers, written inline (no jmp/flax import needed):
   optax.apply_if_finite   unscale by tree_map, then optax's isfinite + lax.cond around Adam
   jmp                     all_finite(grads) then select_tree(finite, new, old) over params and state
@@ -16,6 +21,7 @@ Peers, written inline (no jmp/flax import needed):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -23,8 +29,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import optax
+from device_profile import profile
 
 import jamp
+from jamp.scaling import skip
 
 SCALE = 1024.0
 
@@ -45,14 +53,29 @@ def bare(adam):
     return adam.init, step
 
 
-def jamp_scaler(adam):
-    tx = jamp.scaler(adam, init_scale=SCALE, backend="xla")
+def jamp_scaler(adam, backend="auto", form=None):
+    """``form`` forces one skip form (patched while the step is traced) instead of the platform's."""
+    tx = jamp.scaler(adam, init_scale=SCALE, backend=backend)
 
     def step(params, state, grads):
-        updates, state = tx.update(grads, state, params)
+        with forced_form(form):
+            updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
     return tx.init, step
+
+
+@contextlib.contextmanager
+def forced_form(form):
+    if form is None:
+        yield
+        return
+    saved = skip.FORM_OF_PLATFORM
+    skip.FORM_OF_PLATFORM = {"default": getattr(skip, form)}
+    try:
+        yield
+    finally:
+        skip.FORM_OF_PLATFORM = saved
 
 
 def apply_if_finite(adam):
@@ -98,6 +121,9 @@ def flax_dynamic_scale(adam):
 VARIANTS: dict[str, Callable] = {
     "bare Adam": bare,
     "jamp.scaler(adam)": jamp_scaler,
+    "  skip form select_where_produced": lambda adam: jamp_scaler(adam, form="select_where_produced"),
+    "  skip form select_after": lambda adam: jamp_scaler(adam, form="select_after"),
+    "  check backend xla": lambda adam: jamp_scaler(adam, backend="xla"),
     "optax.apply_if_finite": apply_if_finite,
     "jmp all_finite+select_tree": jmp_select_tree,
     "flax DynamicScale where": flax_dynamic_scale,
@@ -149,9 +175,23 @@ def main() -> None:
     print("| variant | step ms | / bare Adam | skipped step ms | / bare Adam |")
     print("|---|---|---|---|---|")
     for name, m in med.items():
-        skipped = "no skip (inf applied)" if name == "bare Adam" else f"{m['skipped step']:.1f}"
+        skipped = "no skip (inf applied)" if name == "bare Adam" else f"{m['skipped step']:.2f}"
         skipped_ratio = "-" if name == "bare Adam" else f"{m['skipped step'] / floor:.2f}"
-        print(f"| {name} | {m['step']:.1f} | {m['step'] / floor:.2f} | {skipped} | {skipped_ratio} |")
+        print(f"| {name} | {m['step']:.2f} | {m['step'] / floor:.2f} | {skipped} | {skipped_ratio} |")
+
+    profiles = {}
+    for name, run in runs.items():
+        def one_step(run=run):
+            _, run[1], run[2] = timed(run[0], run[1], run[2], grads)
+        profiles[name] = profile(one_step)
+    if all(p is not None for p in profiles.values()):
+        base = profiles["bare Adam"]
+        print("\nDevice view (jax.profiler trace, per finite step):")
+        print("| variant | kernels | device ms | / bare | span ms | / bare | costliest ops |")
+        print("|---|---|---|---|---|---|---|")
+        for name, p in profiles.items():
+            print(f"| {name} | {p.launches:g} | {p.device_ms:.3f} | {p.device_ms / base.device_ms:.2f} | "
+                  f"{p.span_ms:.3f} | {p.span_ms / base.span_ms:.2f} | {p.top(6)} |")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Nothing here is a copy of jamp's op lists. Every table is computed from the data
 ``jamp.casting.oplists`` (``OP_TABLE``, ``CATEGORIES``, ``TORCH_ONLY_NOTES``, ``DEVICE_TYPES``), the built-in
 policies returned by ``jamp.get_policy(device)`` (the category of each primitive, the region rules,
 the compute dtype), ``jamp.casting.regions.EFFECTIVE_RULE`` (region mode x category) and
-``jamp.casting.rules.HIGHER_ORDER_RULES``.
+``jamp.casting.rules.HIGHER_ORDER_RULES``; the fp8 tables come from ``jamp.casting.fp8``.
 
 Two mechanisms, both used by ``mkdocs.yml`` (``hooks: [docs/gen_op_reference.py]``):
 
@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import re
 
+import jax.numpy as jnp
+
 import jamp
-from jamp.casting import oplists, policy
+from jamp.casting import fp8, oplists, policy
+from jamp.casting.dtypes import ELIGIBLE_DTYPES
 from jamp.casting.regions import EFFECTIVE_RULE
 from jamp.casting.rules import HIGHER_ORDER_RULES
 
@@ -232,10 +235,35 @@ def device_types_table() -> str:
     return _table(("device_type", "default dtype", "op list", "page"), rows)
 
 
+def fp8_formats_table() -> str:
+    """``jamp.casting.fp8.FORMATS``: which tensors each float8 format carries, and its range."""
+    rows = []
+    for fmt in fp8.FORMATS:
+        info = jnp.finfo(fmt.dtype)
+        rows.append((_cell(fmt.role), f"`{fmt.dtype.name}`", str(info.nmant), f"{float(info.max):g}",
+                     f"{float(info.smallest_normal):g}", f"{float(info.smallest_subnormal):g}"))
+    return _table(("tensors", "dtype", "mantissa bits", "largest", "smallest normal", "smallest subnormal"), rows)
+
+
+def fp8_eligibility_list() -> str:
+    """The conditions of ``jamp.casting.fp8.eligible`` and the rule that applies it, with their constants."""
+    modes = [m for m, rules in EFFECTIVE_RULE.items() if rules[oplists.LOWER] == oplists.LOWER]
+    return "\n".join([
+        ("- the primitive is `dot_general` and the rule of its [region mode](autocast.md#region-modes) "
+         f"for `lower` ops is `lower`: modes {_code(modes)};"),
+        f"- both operands are {' or '.join(d.name for d in ELIGIBLE_DTYPES)};",
+        "- no batch dimensions, and at least one contracting dimension;",
+        ("- the contracted extent K and the free extents M and N (each the product of its dimensions) are "
+         f"positive multiples of {fp8.ALIGNMENT}."),
+    ])
+
+
 MARKERS = {
     "categories": categories_table,
     "comparison": comparison_table,
     "device-types": device_types_table,
+    "fp8-eligibility": fp8_eligibility_list,
+    "fp8-formats": fp8_formats_table,
     "higher-order": higher_order_table,
     "region-modes": region_modes_table,
     "torch-only-notes": torch_only_notes_table,

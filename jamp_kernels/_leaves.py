@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
@@ -31,34 +32,58 @@ def opmath(dtype: Any) -> Any:
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
+def _is_real(x: Any) -> bool:
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def inv_scale_pair(inv_scale: Any) -> jax.Array:
     """``inv_scale`` as float32 ``[factor, power_of_two]`` whose product is the inverse scale.
 
-    A scalar means ``[inv_scale, 1]``. The pair form (see :func:`inverse`) carries inverses below
-    float32's normal range, which XLA would flush to zero the moment they were computed.
+    A scalar means ``[inv_scale, 1]``. The pair form (see :func:`inverse`) carries inverses outside
+    float32's normal range, which XLA would flush to zero the moment they were computed. A concrete
+    NaN, inf or non-positive value is refused: the check looks at the inputs, so it would not see the
+    NaN that such a factor makes of every gradient.
     """
+    if not _is_real(inv_scale):
+        raise TypeError(f"inv_scale must be a real number or a real array (a scalar or a [factor, power_of_two] "
+                        f"pair), got {inv_scale!r} of type {type(inv_scale).__name__}")
     inv = jnp.asarray(inv_scale, jnp.float32)
     if inv.size == 1:
-        return jnp.stack([inv.reshape(()), jnp.float32(1.0)])
-    if inv.shape != (2,):
+        inv = jnp.stack([inv.reshape(()), jnp.float32(1.0)])
+    elif inv.shape != (2,):
         raise ValueError(f"inv_scale must be a scalar or a [factor, power_of_two] pair, got shape {inv.shape}")
+    if not isinstance(inv, jax.core.Tracer) and not np.all(np.isfinite(inv) & (np.asarray(inv) > 0)):
+        raise ValueError(f"inv_scale must be finite and > 0, got {inv_scale!r}")
     return inv
 
 
 _SHIFT = 2.0**64
+_SUBNORMAL_ONE = 2.0**85  # 2**149 / 2**64: a subnormal scale is m * 2**-149, its inverse 2**85 / m * 2**64
 
 
 def inverse(scale: Any) -> jax.Array:
-    """The inverse of a loss scale as an ``inv_scale`` pair, exact where torch's ``1/scale`` is normal.
+    """The inverse of a loss scale as an ``inv_scale`` pair: ``1/scale`` rounded to 24 bits, for every
+    positive float32 scale (torch's ``float32(1/float64(scale))`` wherever that is a normal float32).
 
     Above 2**126 torch's float32 reciprocal is subnormal, and XLA flushes subnormals to zero, which would
     zero every gradient (a scale that only grows reaches that range after ~110 growths). There the pair is
     ``[float32(2**64 / scale), 2**-64]``: the same value at full float32 precision.
+
+    Below 2**-126 the scale itself is subnormal, and XLA flushes it to zero before dividing (1/scale
+    became inf, and 0 * inf NaN gradients that the input check never saw). There the pair is computed
+    from the scale's bits, ``m * 2**-149`` with an integer ``m``: ``[float32(2**85 / m), 2**64]``, finite
+    even where torch's ``1/scale`` overflows to inf (below about 2**-128).
     """
     scale = jnp.asarray(scale, jnp.float32)
+    bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+    tiny = (bits & 0x7F800000) == 0  # exponent field 0: zero or subnormal
     big = scale > 2.0**126
-    factor = jnp.where(big, jnp.float32(_SHIFT), jnp.float32(1.0)) / scale
-    return jnp.stack([factor, jnp.where(big, jnp.float32(1 / _SHIFT), jnp.float32(1.0))])
+    m = (bits & 0x7FFFFF).astype(jnp.float32)  # exact: m < 2**23
+    numerator = jnp.where(big, jnp.float32(_SHIFT), jnp.where(tiny, jnp.float32(_SUBNORMAL_ONE), jnp.float32(1.0)))
+    power = jnp.where(big, jnp.float32(1 / _SHIFT), jnp.where(tiny, jnp.float32(_SHIFT), jnp.float32(1.0)))
+    return jnp.stack([numerator / jnp.where(tiny, m, scale), power])
 
 
 def scale(x: jax.Array, factor: jax.Array, power_of_two: jax.Array) -> jax.Array:
@@ -66,7 +91,8 @@ def scale(x: jax.Array, factor: jax.Array, power_of_two: jax.Array) -> jax.Array
     exact); an inverse of exactly 1 returns ``x`` bit for bit.
 
     The select keeps subnormals when the inverse is 1 although XLA:CPU flushes them in arithmetic, as
-    torch's ``(inv_scale == 1) ? val : val * inv_scale`` does.
+    torch's ``(inv_scale == 1) ? val : val * inv_scale`` does. ``x * factor`` comes first: for the pair
+    of a subnormal scale it is ``x / scale * 2**-64``, a normal float whenever ``x`` is (``x / scale > 1``).
     """
     op = opmath(x.dtype)
     scaled = x.astype(op) * factor.astype(op) * power_of_two.astype(op)

@@ -24,6 +24,45 @@ def _pallas(inv: jax.Array, *leaves: jax.Array, interpret: bool, donate: bool) -
     return (*outs, found)
 
 
+def _xla_check(*leaves: jax.Array) -> jax.Array:
+    return xla.has_nonfinite(list(leaves))
+
+
+def _pallas_check(*leaves: jax.Array, interpret: bool) -> jax.Array:
+    def kernel(_, local):
+        return [], pallas_triton.check(local, interpret=interpret)
+
+    return sharding.shard_local(kernel, None, list(leaves), writes=False)[1]
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def _check(work: list, *, backend: str) -> jax.Array:
+    pallas = functools.partial(_pallas_check, interpret=backend == "interpret")
+    if backend == "auto":
+        return lax.platform_dependent(*work, cuda=pallas, default=_xla_check)
+    return (_xla_check if backend == "xla" else pallas)(*work)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def has_nonfinite(grads: Any, *, backend: str = "auto") -> jax.Array:
+    """Scalar bool: any inf/NaN in any floating leaf of ``grads``, exact (see :func:`xla.has_nonfinite`).
+
+    ``backend="auto"`` reads the leaves with one Pallas kernel launch on CUDA (a launch per leaf costs more
+    than the reading on a GPU) and lets XLA fuse the reductions elsewhere; "xla", "pallas", "interpret" as
+    for :func:`unscale_and_check`.
+    """
+    _check_backend(backend)
+    leaves, _ = _leaves.flatten(grads)
+    work = [g for g in leaves if _leaves.is_scaled(g)]
+    if not work:
+        return jnp.zeros((), jnp.bool_)
+    return _check(work, backend=backend)
+
+
 @functools.partial(jax.jit, static_argnames=("backend", "donate"))
 def _unscale_and_check(inv: jax.Array, work: list, *, backend: str, donate: bool) -> tuple[list, jax.Array]:
     """Jitted even when called eagerly, so sharded inputs always reach XLA's partitioner (see sharding.py)."""
@@ -46,8 +85,7 @@ def unscale_and_check(grads: Any, inv_scale: Any, *, backend: str = "auto",
     when lowering), "xla", "pallas" (Triton), "interpret" (the Pallas kernel interpreted, for CPU tests).
     ``donate=True`` lets the Pallas kernel write in place (see ``pallas_triton.unscale_and_check``).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_backend(backend)
     leaves, treedef = _leaves.flatten(grads)
     inv = _leaves.inv_scale_pair(inv_scale)
     picked = [i for i, g in enumerate(leaves) if _leaves.is_scaled(g)]

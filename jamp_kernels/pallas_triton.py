@@ -58,7 +58,7 @@ def _layout(leaves: Sequence[jax.Array]) -> tuple[_Span, ...]:
 
 
 def _leaf_block(span: _Span, x_ref, o_ref, inv, pid, masked: bool) -> jax.Array:
-    """Unscale one block of one leaf and return its int32 non-finite flag.
+    """Check (and, given ``o_ref``, unscale) one block of one leaf; return its int32 non-finite flag.
 
     Only the ragged last block is masked: interpret mode pads it with NaN, a GPU load past the end reads
     garbage, and a store past the end corrupts memory. Full blocks stay unmasked so Triton can vectorise.
@@ -69,7 +69,8 @@ def _leaf_block(span: _Span, x_ref, o_ref, inv, pid, masked: bool) -> jax.Array:
     if masked:
         mask = start + lax.broadcasted_iota(jnp.int32, (span.block,), 0) < span.size
     x = plt.load(x_ref.at[window], mask=mask)
-    plt.store(o_ref.at[window], _leaves.scale(x, *inv), mask=mask)
+    if o_ref is not None:
+        plt.store(o_ref.at[window], _leaves.scale(x, *inv), mask=mask)
     bad = jnp.logical_not(jnp.isfinite(x.astype(_leaves.opmath(x.dtype))))
     if mask is not None:
         bad = jnp.logical_and(bad, mask)
@@ -95,10 +96,15 @@ def _select_leaf(pid, spans, x_refs, o_refs, inv) -> jax.Array:
                     lambda: _select_leaf(pid, spans[mid:], x_refs[mid:], o_refs[mid:], inv))
 
 
-def _kernel(inv_ref, *refs, spans: tuple[_Span, ...]):
+def _unscale_kernel(inv_ref, *refs, spans: tuple[_Span, ...]):
     n = len(spans)
     x_refs, o_refs, flag_ref = refs[:n], refs[n:2 * n], refs[2 * n]
     flag_ref[0] = _select_leaf(pl.program_id(0), spans, x_refs, o_refs, (inv_ref[0], inv_ref[1]))
+
+
+def _check_kernel(*refs, spans: tuple[_Span, ...]):
+    x_refs, flag_ref = refs[:-1], refs[-1]
+    flag_ref[0] = _select_leaf(pl.program_id(0), spans, x_refs, (None,) * len(spans), None)
 
 
 def _out_struct(shape, dtype, like: Sequence[jax.Array]) -> jax.ShapeDtypeStruct:
@@ -107,23 +113,40 @@ def _out_struct(shape, dtype, like: Sequence[jax.Array]) -> jax.ShapeDtypeStruct
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
 
 
-def _one_call(inv: jax.Array, leaves: Sequence[jax.Array], *, interpret: bool, donate: bool):
+def _launch(leaves: Sequence[jax.Array], inv: jax.Array | None, *, interpret: bool, donate: bool):
+    """One ``pallas_call`` over ``leaves``: with ``inv``, unscale and check; without, check only (reads only)."""
     flat = [g.reshape(-1) for g in leaves]
     spans = _layout(flat)
     programs = spans[-1].first + spans[-1].blocks
-    *outs, flags = pl.pallas_call(
-        functools.partial(_kernel, spans=spans),
-        out_shape=[_out_struct(g.shape, g.dtype, [g]) for g in flat]
-        + [_out_struct((programs,), jnp.int32, flat)],
-        grid=(programs,),
+    flags = _out_struct((programs,), jnp.int32, flat)
+    flag_spec = pl.BlockSpec((1,), lambda b: (b,))
+    params = dict(grid=(programs,), compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+                  interpret=interpret)
+    if inv is None:
+        flag_out = pl.pallas_call(functools.partial(_check_kernel, spans=spans), out_shape=flags,
+                                  in_specs=[_WHOLE] * len(spans), out_specs=flag_spec,
+                                  name="jamp_check", **params)(*flat)
+        return [], jnp.max(flag_out) > 0
+    *outs, flag_out = pl.pallas_call(
+        functools.partial(_unscale_kernel, spans=spans),
+        out_shape=[_out_struct(g.shape, g.dtype, [g]) for g in flat] + [flags],
         in_specs=[pl.BlockSpec((2,), lambda b: (0,))] + [_WHOLE] * len(spans),
-        out_specs=[_WHOLE] * len(spans) + [pl.BlockSpec((1,), lambda b: (b,))],
+        out_specs=[_WHOLE] * len(spans) + [flag_spec],
         input_output_aliases={1 + i: i for i in range(len(flat))} if donate else {},
-        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        interpret=interpret,
-        name="jamp_unscale_and_check",
+        name="jamp_unscale_and_check", **params,
     )(inv, *flat)
-    return [o.reshape(g.shape) for o, g in zip(outs, leaves)], jnp.max(flags) > 0
+    return [o.reshape(g.shape) for o, g in zip(outs, leaves)], jnp.max(flag_out) > 0
+
+
+def _grouped(leaves: Sequence[jax.Array], inv: jax.Array | None, *, interpret: bool,
+             donate: bool) -> tuple[list[jax.Array], jax.Array]:
+    outs, flags = [], []
+    for start in range(0, len(leaves), MAX_LEAVES_PER_CALL):
+        group_outs, group_flag = _launch(leaves[start:start + MAX_LEAVES_PER_CALL], inv,
+                                         interpret=interpret, donate=donate)
+        outs += group_outs
+        flags.append(group_flag)
+    return outs, functools.reduce(jnp.logical_or, flags)
 
 
 def unscale_and_check(inv: jax.Array, leaves: Sequence[jax.Array], *, interpret: bool = False,
@@ -134,10 +157,10 @@ def unscale_and_check(inv: jax.Array, leaves: Sequence[jax.Array], *, interpret:
     ``donate=True`` aliases each output to its input, which saves memory only when the caller donates the
     gradients at its ``jit`` boundary (otherwise XLA copies them first).
     """
-    outs, flags = [], []
-    for start in range(0, len(leaves), MAX_LEAVES_PER_CALL):
-        group_outs, group_flag = _one_call(inv, leaves[start:start + MAX_LEAVES_PER_CALL],
-                                           interpret=interpret, donate=donate)
-        outs += group_outs
-        flags.append(group_flag)
-    return outs, functools.reduce(jnp.logical_or, flags)
+    return _grouped(leaves, inv, interpret=interpret, donate=donate)
+
+
+def check(leaves: Sequence[jax.Array], *, interpret: bool = False) -> jax.Array:
+    """``found_inf`` of non-empty floating ``leaves``: one read of each, nothing written (the scaler's check,
+    whose unscale XLA fuses into the optimizer)."""
+    return _grouped(leaves, None, interpret=interpret, donate=False)[1]

@@ -20,33 +20,45 @@ from jax.experimental.custom_partitioning import SdyShardingRule, custom_partiti
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-LeafFn = Callable[[jax.Array, list], tuple[list, jax.Array]]
+LeafFn = Callable[[jax.Array | None, list], tuple[list, jax.Array]]
+"""``fn(inv, leaves) -> (outs, found)``: ``outs`` are per-leaf outputs shaped like ``leaves`` (none for a
+check that only reads); ``inv`` is a replicated operand or None."""
 
 
 def _is_split(spec: P) -> bool:
     return any(entry is not None for entry in spec)
 
 
-def _mesh_or(fn: LeafFn, mesh, inv: jax.Array, leaves: list) -> tuple[jax.Array, ...]:
+def _mesh_or(fn: LeafFn, mesh, inv: jax.Array | None, leaves: list) -> tuple[jax.Array, ...]:
     """``fn`` on local shards, with the flag OR-ed over every mesh axis."""
     outs, found = fn(inv, leaves)
     return (*outs, lax.pmax(found, tuple(mesh.axis_names)))
 
 
-def _shard_map(fn: LeafFn, inv: jax.Array, leaves: list) -> tuple[list, jax.Array]:
+def _split_operands(inv: jax.Array | None, operands: tuple) -> tuple[jax.Array | None, list]:
+    return (None, list(operands)) if inv is None else (operands[0], list(operands[1:]))
+
+
+def _shard_map(fn: LeafFn, inv: jax.Array | None, leaves: list, writes: bool) -> tuple[list, jax.Array]:
     """``check_vma=False`` because interpret-mode ``pallas_call`` fails jax 0.10.2's varying-axes check;
     the ``pmax`` in ``_mesh_or`` is what makes the replicated flag correct."""
     mesh = next(jax.typeof(g).sharding.mesh for g in leaves if _is_split(jax.typeof(g).sharding.spec))
     specs = tuple(jax.typeof(g).sharding.spec for g in leaves)
-    *outs, found = jax.shard_map(lambda inv, *ls: _mesh_or(fn, mesh, inv, list(ls)), mesh=mesh,
-                                 in_specs=(P(), *specs), out_specs=(*specs, P()),
-                                 check_vma=False)(inv, *leaves)
+    head = () if inv is None else (inv,)
+
+    def local(*operands):
+        return _mesh_or(fn, mesh, *_split_operands(inv, operands))
+
+    *outs, found = jax.shard_map(local, mesh=mesh, in_specs=(*(P() for _ in head), *specs),
+                                 out_specs=(*(specs if writes else ()), P()), check_vma=False)(*head, *leaves)
     return outs, found
 
 
-def _custom_partitioned(fn: LeafFn, inv: jax.Array, leaves: list) -> tuple[list, jax.Array]:
-    def plain(inv, *leaves):
-        outs, found = fn(inv, list(leaves))
+def _custom_partitioned(fn: LeafFn, inv: jax.Array | None, leaves: list, writes: bool) -> tuple[list, jax.Array]:
+    head = () if inv is None else (inv,)
+
+    def plain(*operands):
+        outs, found = fn(*_split_operands(inv, operands))
         return (*outs, found)
 
     op = custom_partitioning(plain)
@@ -66,17 +78,20 @@ def _custom_partitioned(fn: LeafFn, inv: jax.Array, leaves: list) -> tuple[list,
                 return replicated
             return a.sharding
 
-        specs = [even(a) for a in arg_shapes[1:]]
-        return (*specs, replicated), (replicated, *specs)
+        specs = [even(a) for a in arg_shapes[len(head):]]
+        return (*(specs if writes else ()), replicated), (*(replicated for _ in head), *specs)
 
     def partition(mesh, arg_shapes, result_shape):
-        lower = lambda inv, *ls: _mesh_or(fn, mesh, inv, list(ls))  # noqa: E731
+        def lower(*operands):
+            return _mesh_or(fn, mesh, *_split_operands(inv, operands))
+
         return (mesh, lower, *shardings(mesh, arg_shapes))
 
     dims = [tuple(f"leaf{i}_dim{d}" for d in range(g.ndim)) for i, g in enumerate(leaves)]
     op.def_partition(partition=partition,
                      infer_sharding_from_operands=lambda mesh, args, result: shardings(mesh, args)[0],
-                     sharding_rule=SdyShardingRule(operand_mappings=(("inv_pair",), *dims), result_mappings=(*dims, ())))
+                     sharding_rule=SdyShardingRule(operand_mappings=(*(("inv_pair",) for _ in head), *dims),
+                                                   result_mappings=(*(dims if writes else ()), ())))
 
     # custom_partitioning has no batching rule; under vmap, batch the plain kernel (pallas_call has one).
     batchable = jax.custom_batching.custom_vmap(op)
@@ -87,12 +102,13 @@ def _custom_partitioned(fn: LeafFn, inv: jax.Array, leaves: list) -> tuple[list,
         outs = jax.vmap(plain, in_axes=in_axes, axis_size=axis_size)(*args)
         return outs, (True,) * len(outs)
 
-    *outs, found = batchable(inv, *leaves)
+    *outs, found = batchable(*head, *leaves)
     return outs, found
 
 
-def shard_local(fn: LeafFn, inv: jax.Array, leaves: list) -> tuple[list, jax.Array]:
-    """``fn(inv, leaves)`` evaluated per shard, never on gathered gradients; the flag covers every shard."""
+def shard_local(fn: LeafFn, inv: jax.Array | None, leaves: list, *, writes: bool = True) -> tuple[list, jax.Array]:
+    """``fn(inv, leaves)`` evaluated per shard, never on gathered gradients; the flag covers every shard.
+    ``writes=False``: ``fn`` returns no per-leaf outputs (a check that only reads)."""
     if any(_is_split(jax.typeof(g).sharding.spec) for g in leaves):
-        return _shard_map(fn, inv, leaves)
-    return _custom_partitioned(fn, inv, leaves)
+        return _shard_map(fn, inv, leaves, writes)
+    return _custom_partitioned(fn, inv, leaves, writes)

@@ -83,6 +83,84 @@ def test_python_scalars_and_strings_are_static():
     assert float(g(W, X, False, mode="b")) == pytest.approx(float(f(W, X, False)), rel=1e-2)
 
 
+def test_python_floats_are_traced_once_weak_typed_as_under_jit():
+    traces = []
+
+    def f(w, x, lr, opts):
+        traces.append(1)
+        return (x @ w).sum() * lr + opts["momentum"]
+
+    g = jamp.autocast(f, dtype="bf16")
+    total = float((X @ W).sum())
+    for i in range(100):
+        lr = 0.01 * (i + 1)
+        assert float(g(W, X, lr, {"momentum": 1.0 - lr})) == pytest.approx(total * lr + 1.0 - lr, rel=1e-2)
+    assert len(traces) == 1
+    closed = jax.make_jaxpr(g)(W, X, 0.5, {"momentum": 0.5})
+    assert [(str(v.aval.dtype), v.aval.weak_type) for v in closed.jaxpr.invars[2:]] == [("float32", True)] * 2
+    assert dtypes_of(g, W, X, 0.5, {"momentum": 0.5}) == [(BF16,) * 3]
+    # as under jax.jit: a weak-typed float does not promote a bf16 result
+    h = jamp.autocast(lambda w, x, s: x @ w * s, policy="p=f32,c=bf16,o=bf16")
+    assert h(W, X, 2.0).dtype == jax.jit(lambda x, s: x * s)(X.astype(jnp.bfloat16), 2.0).dtype == jnp.bfloat16
+
+
+def test_bools_ints_and_strings_stay_static():
+    def f(x, n, flag, mode):
+        for _ in range(n):  # an int sizes a loop, a bool and a str pick branches
+            x = x * 2 if flag and mode == "double" else x
+        return jnp.zeros((n,)) + x.sum()
+
+    g = jamp.autocast(f, dtype="bf16")
+    assert g(X, 3, True, "double").shape == (3,)
+    assert float(g(X, 2, True, "double")[0]) == float(X.sum() * 4)
+    assert float(g(X, 2, False, "double")[0]) == float(X.sum())
+
+
+def test_traced_float_in_python_control_flow_names_the_argument():
+    def f(x, rate):
+        return x * 0 if rate > 0.5 else x
+
+    with pytest.raises(jax.errors.ConcretizationTypeError) as info:
+        jamp.autocast(f, dtype="bf16")(X, 0.7)
+    assert "dynamic[1] is rate" in str(info.value.__notes__) and "static_argnames" in str(info.value.__notes__)
+    assert float(jamp.autocast(f, dtype="bf16", static_argnames="rate")(X, rate=0.7).sum()) == 0
+
+
+def _call_each(fun, calls):
+    for args in calls:
+        fun(*args)
+
+
+def test_a_static_value_that_keeps_changing_warns_once_naming_it():
+    def f(w, x, step, cfg):
+        return (x @ w).sum() + step + cfg["depth"]
+
+    g = jamp.autocast(f, dtype="bf16")
+    with pytest.warns(UserWarning) as record:
+        _call_each(g, [(W, X, step, {"depth": 2}) for step in range(40)])
+    messages = [str(r.message) for r in record if "jamp.autocast" in str(r.message)]
+    assert len(messages) == 1
+    assert "traced the same array shapes and dtypes 17 times because the argument step changed 16 times" in messages[0]
+    assert "jnp.asarray" in messages[0]
+    # a nested static leaf is named by its path; an unhashable one is called so
+    g2 = jamp.autocast(lambda w, x, sizes: (x @ w).sum() * len(sizes), dtype="bf16", static_argnums=2)
+    with pytest.warns(UserWarning, match=r"the argument sizes is not hashable \(\[1, 2\]\), so no trace"):
+        _call_each(g2, [(W, X, [1, 2])] * 20)
+    g3 = jamp.autocast(f, dtype="bf16")
+    with pytest.warns(UserWarning, match=r"argument cfg\['depth'\] changed"):
+        _call_each(g3, [(W, X, jnp.int32(0), {"depth": depth}) for depth in range(20)])
+
+
+def test_a_few_static_values_do_not_warn():
+    import warnings
+
+    g = jamp.autocast(lambda x, train: x * 2 if train else x, dtype="bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(100):
+            g(X, i % 2 == 0)
+
+
 def test_static_argnums_for_array_valued_arguments():
     def f(w, x, n):
         return (x @ w).sum() * int(n)

@@ -43,6 +43,76 @@ def test_nested_dtype_switches_region_dtype():
     assert dtypes_of(jamp.autocast(f, dtype="bf16"), W, X) == [(F16,) * 3, (BF16,) * 3]
 
 
+def _with_off(w, x):
+    h = x @ w
+    with jamp.autocast(enabled=False):
+        h = h.astype(jnp.float32) @ w
+    return h @ w
+
+
+def _nested_off(w, x):
+    h = x @ w
+    return jamp.autocast(lambda h, w: h.astype(jnp.float32) @ w, enabled=False)(h, w) @ w
+
+
+def _with_f16(w, x):
+    with jamp.autocast(dtype=jnp.float16):
+        h = x @ w
+    return h @ w
+
+
+def _nested_f16(w, x):
+    return jamp.autocast(lambda x: x @ w, dtype=jnp.float16)(x) @ w
+
+
+@pytest.mark.parametrize("with_form,nested_form,forward", [
+    (_with_off, _nested_off, [(BF16,) * 3, (F32,) * 3, (BF16,) * 3]),
+    (_with_f16, _nested_f16, [(F16,) * 3, (BF16,) * 3]),
+], ids=["enabled=False", "dtype=float16"])
+def test_with_block_marks_the_region_as_the_nested_call_does(with_form, nested_form, forward):
+    amp = jamp.autocast(with_form, dtype="bf16")
+    assert dtypes_of(amp, W, X) == forward == dtypes_of(jamp.autocast(nested_form, dtype="bf16"), W, X)
+    loss = lambda f: jax.grad(lambda w, x: jamp.autocast(f, dtype="bf16")(w, x).sum())  # noqa: E731
+    backward = dtypes_of(loss(with_form), W, X)
+    assert backward == dtypes_of(loss(nested_form), W, X)
+    assert sorted(set(backward)) == sorted(set(forward))  # the backward ops of a region keep its dtype
+    np.testing.assert_allclose(amp(W, X), jamp.autocast(nested_form, dtype="bf16")(W, X), rtol=1e-6)
+
+
+def test_with_block_holds_inside_jit_and_can_be_reused():
+    off = jamp.autocast(enabled=False)
+
+    def f(w, x):
+        @jax.jit
+        def inner(h):
+            with off:
+                return h.astype(jnp.float32) @ w
+        with off:
+            g = x @ w
+        return inner(x @ w) @ w + g
+
+    assert sorted(dtypes_of(jamp.autocast(f, dtype="bf16"), W, X)) == [(BF16,) * 3] * 2 + [(F32,) * 3] * 2
+
+
+def test_with_block_outside_autocast():
+    # enabled=False has nothing to turn off: model code that uses it also runs without autocast
+    def model(w, x):
+        with jamp.autocast(enabled=False):
+            return x @ w
+
+    assert dtypes_of(model, W.astype(jnp.bfloat16), X.astype(jnp.bfloat16)) == [(BF16,) * 3]
+    np.testing.assert_array_equal(jax.jit(model)(W, X), X @ W)
+    np.testing.assert_array_equal(jamp.autocast(model, enabled=False)(W, X), X @ W)
+    # turning autocast on needs the function: the message shows the form to write
+    with pytest.raises(RuntimeError, match=r"jamp.autocast\(fn, device_type='gpu'\)\(\*args\).*"
+                                           r"@jamp.autocast\(device_type='gpu'\)"), jamp.autocast(device_type="gpu"):
+        pass
+    with pytest.raises(RuntimeError, match=r"jamp.autocast\(fn, dtype=jnp.float16\)"):
+        jax.jit(_with_f16)(W, X)  # a jit is not an autocast
+    # and the decorator form is unchanged
+    assert dtypes_of(jamp.autocast(dtype=jnp.bfloat16)(_nested_off), W, X)[0] == (BF16,) * 3
+
+
 def test_nested_region_inside_jit_and_scan():
     off = jamp.autocast(lambda a, w: a @ w, enabled=False)
 

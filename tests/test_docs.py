@@ -174,6 +174,16 @@ def test_comparison_and_notes_tables():
     assert all(GEN._cell(t) in notes and GEN._cell(n) in notes for t, n in oplists.TORCH_ONLY_NOTES)
 
 
+def test_fp8_tables_are_the_data():
+    from jamp.casting import fp8
+
+    rows = _table_cells(GEN.fp8_formats_table())[1:]
+    assert [(r[1].strip("`"), float(r[3])) for r in rows] == [(f.dtype.name, f.max) for f in fp8.FORMATS]
+    eligibility = GEN.fp8_eligibility_list()
+    assert f"multiples of {fp8.ALIGNMENT}" in eligibility
+    assert all(f"`{m}`" in eligibility for m, rules in EFFECTIVE_RULE.items() if rules["lower"] == "lower")
+
+
 def test_every_marker_in_the_docs_is_known_and_expands():
     used = set()
     for path in PAGES:

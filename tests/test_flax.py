@@ -153,3 +153,129 @@ def test_nnx_split_merge_functional_style():
     x = jnp.ones((2, 8))
     np.testing.assert_allclose(apply(state, x), model(x), rtol=2e-2, atol=2e-2)
     assert dtypes_of(apply, state, x)[0] == ("float16",) * 3
+
+
+class NNXTrainable(nnx.Module):
+    """BatchNorm statistics and a Dropout RNG counter change at every training call."""
+
+    def __init__(self, rngs):
+        self.lin1 = nnx.Linear(8, 16, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.lin2 = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.lin2(self.drop(jax.nn.relu(self.bn(self.lin1(x)))))
+
+    def features(self, x):
+        return self.lin1(x)
+
+
+def _leaves_equal(a, b):
+    def data(x):
+        return jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+    return all(np.array_equal(data(u), data(v))
+               for u, v in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))))
+
+
+def test_nnx_module_autocast_always_computes_with_todays_weights():
+    model = NNXModel(nnx.Rngs(0))
+    amp = jamp.autocast(model, dtype="bf16")
+    x = jax.random.normal(KEY, (16, 8))
+    y = jax.random.normal(jax.random.key(1), (16, 4))
+    optimizer = nnx.Optimizer(model, optax.adam(5e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(m, opt):
+        grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(m)
+        opt.update(m, grads)
+
+    first = amp(x)
+    for _ in range(4):
+        step(model, optimizer)
+        out, ref = amp(x), model(x)
+        assert out.dtype == ref.dtype == jnp.float32
+        np.testing.assert_allclose(out, ref, rtol=3e-2, atol=3e-2)  # bf16 matmuls, today's weights
+    assert float(jnp.abs(out - first).max()) > 0.5  # training moved the outputs far beyond that tolerance
+    model.lin2.kernel[...] = jnp.ones_like(model.lin2.kernel[...])
+    np.testing.assert_allclose(amp(x), model(x), rtol=3e-2, atol=3e-2)
+    assert dtypes_of(amp, x) == [("bfloat16",) * 3] * 2
+
+
+def test_nnx_module_autocast_is_cached_across_weight_updates():
+    traces = []
+
+    class Counted(NNXModel):
+        def __call__(self, x):
+            traces.append(1)
+            return super().__call__(x)
+
+    model = Counted(nnx.Rngs(0))
+    amp = jamp.autocast(model, dtype="bf16")
+    x = jnp.ones((2, 8))
+    amp(x)
+    model.lin1.kernel[...] = model.lin1.kernel[...] * 2
+    amp(x)
+    amp(x + 1)
+    assert len(traces) == 1
+
+
+def test_nnx_autocast_writes_back_what_the_call_changes():
+    model = NNXTrainable(nnx.Rngs(0))
+    reference = nnx.clone(model)
+    x = jax.random.normal(KEY, (16, 8))
+    jamp.autocast(model, dtype="bf16")(x)
+    reference(x)
+    for name in ("mean", "var"):
+        ours, ref = getattr(model.bn, name)[...], getattr(reference.bn, name)[...]
+        assert ours.dtype == jnp.float32 and not np.array_equal(ours, jnp.zeros_like(ours) + (name == "var"))
+        np.testing.assert_allclose(ours, ref, rtol=3e-2, atol=3e-2)
+    assert int(model.drop.rngs.count[...]) == int(reference.drop.rngs.count[...]) == 1
+    # a policy's output dtype is for the outputs, not for the module's variables
+    out = jamp.autocast(model, policy="p=f32,c=bf16,o=bf16")(x)
+    assert out.dtype == jnp.bfloat16 and model.bn.mean[...].dtype == jnp.float32
+    assert int(model.drop.rngs.count[...]) == 2
+
+
+def test_nnx_bound_method_and_eval_mode():
+    model = NNXTrainable(nnx.Rngs(0))
+    x = jax.random.normal(KEY, (4, 8))
+    features = jamp.autocast(model.features, device_type="gpu")
+    assert dtypes_of(features, x) == [("float16",) * 3]
+    model.lin1.kernel[...] = jnp.ones_like(model.lin1.kernel[...])
+    np.testing.assert_allclose(features(x), model.features(x), rtol=1e-2, atol=1e-2)
+    model.eval()  # no statistics update, no RNG use: nothing to write back
+    before = nnx.clone(model)
+    np.testing.assert_allclose(jamp.autocast(model, dtype="bf16")(x), before(x), rtol=3e-2, atol=3e-2)
+    assert _leaves_equal(model, before)
+
+
+def test_nnx_autocast_inside_nnx_jit_and_grad():
+    model = NNXTrainable(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    x = jax.random.normal(KEY, (16, 8))
+    y = jax.random.normal(jax.random.key(1), (16, 4))
+
+    @nnx.jit
+    def step(m, opt):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((jamp.autocast(m, dtype="bf16")(x) - y) ** 2))(m)
+        opt.update(m, grads)
+        return loss
+
+    losses = [float(step(model, optimizer)) for _ in range(10)]
+    assert losses[-1] < losses[0]
+    assert int(model.drop.rngs.count[...]) == 10 and model.lin1.kernel[...].dtype == jnp.float32
+
+
+def test_nnx_module_that_adds_a_variable_is_refused():
+    class Lazy(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((3, 3)))
+
+        def __call__(self, x):
+            self.cache = nnx.Variable(x)
+            return x @ self.w
+
+    with pytest.raises(ValueError, match="changed the module's structure"):
+        jamp.autocast(Lazy(), dtype="bf16")(jnp.ones((2, 3)))

@@ -193,6 +193,18 @@ def test_inverse_pair_unscales_scales_whose_reciprocal_is_subnormal(backend, sca
         np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(plain[0]))
 
 
+def test_inverse_of_every_subnormal_scale_is_exact():
+    """XLA flushes a subnormal scale to zero before 1/scale; the pair must still hold 1/scale rounded to
+    24 bits (torch's float32 reciprocal where that is finite), never inf."""
+    scales = np.arange(1, 2**23, dtype=np.uint32).view(np.float32)  # every positive subnormal, m * 2**-149
+    out = jax.jit(jamp_kernels.inverse)(scales)
+    assert out.dtype == jnp.float32 and out.shape == (2, scales.size)
+    pair = np.asarray(out, np.float64)
+    # 1/scale * 2**-64 is a normal float32 here, so NumPy's float32 rounding is the 24-bit rounding
+    want = (1.0 / scales.astype(np.float64) * 2.0**-64).astype(np.float32).astype(np.float64) * 2.0**64
+    np.testing.assert_array_equal(pair[0] * pair[1], want)
+
+
 def test_importing_the_kernels_does_not_import_jamp():
     code = "import sys, jamp_kernels; assert 'jamp' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=jamp_kernels.__path__[0] + "/..")

@@ -97,7 +97,8 @@ print(json.dumps(report))
 
 @pytest.mark.multidevice
 def test_sharded_gradients_stay_sharded_on_8_devices():
-    report = run_child(MULTIDEVICE, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    # 8 host devices: pinned to the CPU backend, which also holds on a GPU machine
+    report = run_child(MULTIDEVICE, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     for mode in ("explicit", "auto"):
         for backend in ("interpret", "xla", "auto"):
             r = report[f"{mode}/{backend}"]

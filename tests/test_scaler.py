@@ -16,6 +16,7 @@ from helpers import run_subprocess
 
 import jamp
 import jamp_kernels
+from jamp import _jax_compat as jc
 
 PARAMS = {"w": jnp.arange(6.0).reshape(2, 3) / 7, "b": jnp.ones(3)}
 
@@ -238,20 +239,25 @@ def _spy(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("backend,default,expected", [
-    ("xla", "cpu", [("has_nonfinite", None), ("unscale", None)]),
-    ("auto", "cpu", [("has_nonfinite", None), ("unscale", None)]),
-    ("auto", "gpu", [("unscale_and_check", "auto")]),
-    ("pallas", "cpu", [("unscale_and_check", "pallas")]),
-    ("interpret", "cpu", [("unscale_and_check", "interpret")]),
-])
-def test_backend_dispatch(monkeypatch, backend, default, expected):
+@pytest.mark.parametrize("backend", ["auto", "xla", "pallas", "interpret"])
+def test_backend_picks_the_check_and_the_unscale_stays_fusable_jnp(monkeypatch, backend):
     calls = _spy(monkeypatch)
-    monkeypatch.setattr(jax, "default_backend", lambda: default)
     tx = jamp.scaler(optax.sgd(1.0), backend=backend)
-    state = tx.init(PARAMS)
-    jax.make_jaxpr(tx.update)(PARAMS, state)
-    assert sorted(set(calls)) == sorted(expected)
+    jax.make_jaxpr(tx.update)(PARAMS, tx.init(PARAMS))
+    assert sorted(set(calls)) == [("has_nonfinite", backend), ("unscale", None)]
+
+
+@pytest.mark.parametrize("platform,kernel_launches", [("cpu", 0), ("cuda", 1)])
+def test_auto_backend_checks_with_one_kernel_launch_on_cuda_only(platform, kernel_launches):
+    params = {f"w{i}": jnp.ones((16, 8)) for i in range(5)}
+    tx = jamp.scaler(optax.adam(1e-3))
+
+    def step(p, s):
+        return tx.update(p, s, p)
+
+    lowered = jc.lower_for_cuda(step, params, tx.init(params)) if platform == "cuda" else \
+        jax.jit(step).lower(params, tx.init(params))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == kernel_launches
 
 
 def _compiled_step(update, params, state):
@@ -444,6 +450,19 @@ def test_state_survives_orbax(tmp_path):
     b = tx.update(grads_with(restored, jnp.nan), restored, PARAMS)
     chex.assert_trees_all_equal(a, b)
     assert jamp.state_dict(restored)["growth_factor"] == 1.1 and float(restored.min_scale) == 0.5
+
+
+def test_orbax_restore_without_a_target_says_to_give_one(tmp_path):
+    tx, state = _trained_state()
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "state", {"opt_state": state})
+    ckpt.wait_until_finished()
+    untargeted = ckpt.restore(tmp_path / "state")
+    with pytest.raises(ValueError, match=r"ScalerState's fields at \['opt_state'\].*restored without a target.*"
+                                         r"jax.eval_shape\(tx.init, params\)"):
+        jamp.get_scale(untargeted)
+    restored = ckpt.restore(tmp_path / "state", {"opt_state": jax.eval_shape(tx.init, PARAMS)})
+    assert float(jamp.get_scale(restored)) == float(jamp.get_scale(state))
 
 
 def test_changing_hyperparameters_never_recompiles():

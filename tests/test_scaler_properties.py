@@ -92,9 +92,10 @@ def test_words_round_trip_every_double():
 
 
 def reference_rule(scale, tracker, found, growth, backoff, interval, lo=0.0, hi=math.inf):
-    """torch's _amp_update_scale_ (torch_amp_behavior.md 1.6) plus jamp's optional bounds, in Python."""
+    """torch's _amp_update_scale_ (torch_amp_behavior.md 1.6) plus jamp's optional bounds, in Python; a
+    backoff stops at the smallest positive float32 where torch's reaches 0."""
     if found:
-        return max(_reference_mul(scale, backoff), np.float32(lo)), 0
+        return max(_reference_mul(scale, backoff), np.float32(lo), np.float32(2.0**-149)), 0
     if tracker + 1 == interval:
         grown = _reference_mul(scale, growth)
         return (min(grown, np.float32(hi)) if math.isfinite(grown) else scale), 0

@@ -1,4 +1,4 @@
-"""jamp.skip: the select-where-produced evaluation must equal ``inner`` exactly, for any inner."""
+"""jamp.scaling.skip: each skip form steps exactly as ``inner`` and skips bit for bit, for any inner."""
 
 from __future__ import annotations
 
@@ -81,3 +81,61 @@ def test_inner_that_changes_its_state_dtype_is_rejected():
                                            lambda u, s, p=None: (u, jnp.zeros((), jnp.float32)))
     with pytest.raises(TypeError, match="changed a state leaf from int32"):
         jamp.scaler(changes).update(GRADS, jamp.scaler(changes).init(PARAMS))
+
+
+@pytest.fixture(params=["select_where_produced", "select_after"])
+def skip_form(request, monkeypatch):
+    """Run the scaler with each skip form on this platform (each platform picks one by default)."""
+    from jamp.scaling import skip
+
+    monkeypatch.setattr(skip, "FORM_OF_PLATFORM", {"default": getattr(skip, request.param)})
+    return request.param
+
+
+@pytest.mark.parametrize("name", INNERS)
+def test_both_skip_forms_step_as_inner_and_skip_bit_identically(skip_form, name):
+    test_step_equals_inner_and_skip_keeps_everything(name)
+
+
+def test_the_discarded_update_never_sees_inf_or_nan(skip_form):
+    """Issue 16 #8: a skipped step still runs inner's update (a select keeps the old state), so what inner
+    reads must be finite: an SVD of a matrix holding an inf may spin forever."""
+    seen = []
+
+    def update(u, s, p=None):
+        jax.debug.callback(lambda ok: seen.append(bool(ok)), jnp.all(jnp.stack([jnp.isfinite(x).all()
+                                                                                for x in jax.tree.leaves(u)])))
+        return u, s
+
+    tx = jamp.scaler(optax.GradientTransformation(lambda p: optax.EmptyState(), update), init_scale=2.0)
+    state = tx.init(PARAMS)
+    for grads in (GRADS, BAD, jax.tree.map(lambda g: g * jnp.inf, GRADS)):
+        jax.block_until_ready(jax.jit(tx.update)(grads, state, PARAMS))
+    assert seen == [True, True, True]
+
+
+DECOMPOSING = {
+    "galore": lambda: optax.contrib.galore(1e-2, rank=2, update_proj_gap=1),
+    **{f"muon_{p}": lambda p=p: optax.contrib.muon(1e-2, preconditioning=p)
+       for p in ("frobenius", "spectral", "aol", "schatten")},
+}
+
+
+@pytest.mark.parametrize("name", DECOMPOSING)
+def test_matrix_decomposing_optimizers_skip_an_overflowing_step(skip_form, name):
+    params = {"w": jnp.linspace(-1.0, 1.0, 48).reshape(6, 8), "b": jnp.ones(8)}
+    grads = {"w": jnp.cos(jnp.arange(48.0)).reshape(6, 8), "b": jnp.sin(jnp.arange(8.0))}
+    tx = jamp.scaler(DECOMPOSING[name](), init_scale=4.0)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for poison in (None, jnp.inf, jnp.nan, None):
+        scaled = jax.tree.map(lambda g: g * state.scale, grads)
+        if poison is not None:
+            scaled["w"] = scaled["w"].at[2, 3].set(poison)
+        updates, new_state = update(scaled, state, params)
+        if poison is None:
+            assert all(bool(jnp.isfinite(u).all()) for u in jax.tree.leaves(updates))
+        else:
+            chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
+            chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+        state = new_state

@@ -8,7 +8,8 @@ Categories (what a rule does with the floating inputs of an equation):
 
 - ``lower``: cast float16/bfloat16/float32 inputs to the compute dtype; matmul-like ops also get
   ``preferred_element_type`` = compute dtype so that their transposes (the backward matmuls)
-  run in the compute dtype too.
+  run in the compute dtype too. Under a policy with ``fp8`` on, an eligible ``dot_general`` runs
+  as a float8 matmul with per-tensor scaling instead, emitting the compute dtype.
 - ``float32``: cast float16/bfloat16 inputs up to float32.
 - ``linalg``: like ``float32`` in every region mode but ``off``: decompositions have no
   low-precision kernels, so they must never see one. A jit whose body holds one runs in float32.

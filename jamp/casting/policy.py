@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -12,6 +13,7 @@ import numpy as np
 
 from jamp.casting import oplists
 from jamp.casting.dtypes import (
+    DTYPE_NAMES,
     ELIGIBLE_DTYPES,
     FLOAT32,
     LOW_DTYPES,
@@ -63,6 +65,7 @@ class Policy:
     rules: tuple[RegionRule, ...] = ()
     output_dtype: np.dtype | None = None
     param_dtype: np.dtype = FLOAT32
+    fp8: bool = False  # eligible matmuls of `lower` ops run in float8 (jamp.casting.fp8)
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -79,8 +82,11 @@ class Policy:
         for r in self.rules:
             _check_mode(r.mode, f"rule {r.pattern!r}")
         set_("_category_of", dict(self.categories))
+        if not isinstance(self.fp8, (bool, np.bool_)):
+            raise TypeError(f"fp8={self.fp8!r} must be a bool")
+        set_("fp8", bool(self.fp8))
         set_("_key", (self.compute_dtype, self.device_type, self.categories, self.rules,
-                      self.output_dtype, self.param_dtype))
+                      self.output_dtype, self.param_dtype, self.fp8))
         set_("_hash", hash(self._key))
 
     def __hash__(self) -> int:
@@ -91,7 +97,8 @@ class Policy:
 
     def __repr__(self) -> str:
         return (f"Policy(device_type={self.device_type!r}, compute_dtype={self.compute_dtype.name}, "
-                f"output_dtype={getattr(self.output_dtype, 'name', None)}, rules={len(self.rules)})")
+                f"output_dtype={getattr(self.output_dtype, 'name', None)}, rules={len(self.rules)}"
+                f"{', fp8=True' if self.fp8 else ''})")
 
     def category(self, primitive_name: str) -> str:
         """The category of a primitive; unlisted primitives are ``default`` (recorded dtypes)."""
@@ -108,6 +115,10 @@ class Policy:
     # -- derived policies -----------------------------------------------------------------------
     def with_compute_dtype(self, dtype: Any) -> Policy:
         return dataclasses.replace(self, compute_dtype=dtype)
+
+    def with_fp8(self, enabled: bool = True) -> Policy:
+        """Run eligible matmuls in float8 with current scaling (see the fp8 page of the docs)."""
+        return dataclasses.replace(self, fp8=enabled)
 
     def with_rules(self, rules: Mapping[str, str] | None = None, /, **more: str) -> Policy:
         """Add region rules ``{pattern: mode}``; they override the built-in ones."""
@@ -159,14 +170,31 @@ def default_device_type() -> str:
 
 _KEY_ALIASES = {"p": "params", "param": "params", "params": "params", "c": "compute", "compute": "compute",
                 "o": "output", "output": "output", "d": "device", "device": "device"}
-_NAMED = {"mixed_float16": ("gpu", "float16"), "mixed_bfloat16": (None, "bfloat16")}
+# name -> (device, compute dtype, fp8); "fp8": float8 matmuls, every other op as the bfloat16 GPU policy
+_NAMED = {"mixed_float16": ("gpu", "float16", False), "mixed_bfloat16": (None, "bfloat16", False),
+          "fp8": ("gpu", "bfloat16", True)}
+# The names a policy string may be, without "=": (what they are, the names).
+_NAME_FORMS = (
+    ("a device name", tuple(sorted(oplists.DEVICE_ALIASES))),
+    ("a named policy", tuple(sorted(_NAMED))),
+    ("a compute dtype", tuple(sorted(k for k, v in DTYPE_NAMES.items() if np.dtype(v) in LOW_DTYPES))),
+)
+
+
+def _unknown_name(spec: str, text: str) -> ValueError:
+    forms = "; ".join(f"{what} ({', '.join(map(repr, names))})" for what, names in _NAME_FORMS)
+    close = difflib.get_close_matches(text, [n for _, names in _NAME_FORMS for n in names], n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"policy {spec!r} is not a policy name. A policy string is {forms}; or jmp's key list such "
+                      f"as 'p=f32,c=bf16,o=f32' with keys {sorted(_KEY_ALIASES)}.{hint}")
 
 
 def get_policy(spec: str | Policy, *, device_type: str | None = None) -> Policy:
     """Parse a policy string (or pass a Policy through).
 
     Accepted forms: a device name (``"gpu"``, ``"cuda"``, ``"cpu"``, ``"tpu"``), Keras' names
-    (``"mixed_float16"``, ``"mixed_bfloat16"``), a bare dtype (``"bf16"``), or jmp's key list
+    (``"mixed_float16"``, ``"mixed_bfloat16"``), ``"fp8"`` (the GPU lists in bfloat16 with float8
+    matmuls), a bare dtype (``"bf16"``), or jmp's key list
     ``"p=f32,c=bf16,o=f32"`` with keys ``p/params``, ``c/compute``, ``o/output`` and ``d/device``.
     """
     if isinstance(spec, Policy):
@@ -175,13 +203,16 @@ def get_policy(spec: str | Policy, *, device_type: str | None = None) -> Policy:
         raise TypeError(f"policy must be a jamp.Policy or a policy string, got {type(spec).__name__}")
     text = spec.strip().lower()
     fields: dict[str, str] = {}
+    fp8 = False
     if text in oplists.DEVICE_ALIASES:
         fields["device"] = text
     elif text in _NAMED:
-        device, fields["compute"] = _NAMED[text]
+        device, fields["compute"], fp8 = _NAMED[text]
         if device:
             fields["device"] = device
     elif "=" not in text:
+        if text not in DTYPE_NAMES:
+            raise _unknown_name(spec, text)
         fields["compute"] = text
     else:
         for item in filter(None, (s.strip() for s in text.split(","))):
@@ -189,6 +220,8 @@ def get_policy(spec: str | Policy, *, device_type: str | None = None) -> Policy:
             if not sep or key not in _KEY_ALIASES:
                 raise ValueError(f"policy {spec!r}: cannot parse {item!r}; expected key=value with keys "
                                  f"{sorted(_KEY_ALIASES)}")
+            if _KEY_ALIASES[key] in fields:
+                raise ValueError(f"policy {spec!r}: key {_KEY_ALIASES[key]!r} given twice; give each key once")
             fields[_KEY_ALIASES[key]] = value
     device = fields.get("device") or device_type or default_device_type()
     compute = fields.get("compute")
@@ -200,4 +233,5 @@ def get_policy(spec: str | Policy, *, device_type: str | None = None) -> Policy:
         policy,
         output_dtype=fields.get("output"),
         param_dtype=fields.get("params", FLOAT32),
+        fp8=fp8,
     )

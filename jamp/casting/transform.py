@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
+import inspect
+import numbers
+import re
 import threading
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -28,6 +33,8 @@ from jamp.casting.policy import (
 from jamp.casting.regions import Region, marker_for
 
 _CACHE_SIZE = 64
+# Traces of one array signature after which a static value that keeps changing is reported, once.
+_RETRACE_WARNING = 16
 _state = threading.local()
 
 
@@ -46,7 +53,44 @@ class _Tracing:
 
 
 def _is_dynamic(x: Any) -> bool:
+    """An array (what custom_fwd casts)."""
     return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
+
+
+# Python scalars that autocast traces, weak-typed, as jax.jit does. bool and int stay static: they
+# size shapes, index, count loops and pick branches; strings, None and other objects are static too.
+_TRACED_SCALARS = (float, complex)
+# What an autocast function may return: what a jax.jit function may return.
+_OUTPUT_SCALARS = (bool, int, float, complex)
+
+
+def _is_traced(x: Any) -> bool:
+    """A leaf of the arguments that becomes an input of the traced program (not part of the cache key)."""
+    return _is_dynamic(x) or isinstance(x, _TRACED_SCALARS)
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two static values hit the same cache entry (an unhashable value never does)."""
+    if not (_hashable(a) and _hashable(b)):
+        return False
+    try:
+        return bool(a is b or a == b)
+    except Exception:  # noqa: BLE001 (an == that gives no bool)
+        return False
+
+
+def _check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r} of type {type(value).__name__}")
+    return bool(value)
 
 
 def _check_device_type(device_type: str | None) -> str | None:
@@ -54,6 +98,48 @@ def _check_device_type(device_type: str | None) -> str | None:
         raise ValueError(f"device_type={device_type!r} is not supported; allowed: "
                          f"{sorted(oplists.DEVICE_ALIASES)} or None (jax.default_backend())")
     return device_type
+
+
+def _static_argnums(static_argnums: Any) -> tuple[int, ...]:
+    """An int or a collection of ints (negative ones count from the end of each call's arguments)."""
+    nums = (static_argnums,) if isinstance(static_argnums, numbers.Integral) else static_argnums
+    if isinstance(nums, Iterable) and not isinstance(nums, str):
+        nums = tuple(nums)
+        if all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in nums):
+            return tuple(sorted({int(i) for i in nums}))
+    raise TypeError(f"static_argnums must be an int or a sequence of ints, got {static_argnums!r}")
+
+
+def _static_argnames(static_argnames: Any) -> tuple[str, ...]:
+    """A str or a collection of strs."""
+    names = (static_argnames,) if isinstance(static_argnames, str) else static_argnames
+    if isinstance(names, Iterable):
+        names = tuple(names)
+        if all(isinstance(n, str) for n in names):
+            return tuple(set(names))
+    raise TypeError(f"static_argnames must be a str or a sequence of strs, got {static_argnames!r}")
+
+
+def _unflatten(treedef, dynamic_mask: tuple, dynamic: Sequence, static_leaves: tuple) -> tuple:
+    """(non-static positional args, keyword args) from the two kinds of leaves."""
+    dyn, stat = iter(dynamic), iter(static_leaves)
+    return jax.tree.unflatten(treedef, [next(dyn) if d else next(stat) for d in dynamic_mask])
+
+
+def _name(fun: Any) -> str:
+    return getattr(fun, "__qualname__", None) or getattr(fun, "__name__", None) or type(fun).__name__
+
+
+def _short(value: Any, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+class _TraceCount:
+    """Traces of one array signature: how many, the last static values, how often each changed."""
+
+    def __init__(self, values: tuple):
+        self.count, self.values, self.changes = 1, values, collections.Counter()
 
 
 class _Entry:
@@ -70,42 +156,58 @@ class _Entry:
         return self.executable(*dynamic)
 
 
+def _checked_options(dtype, device_type, enabled, cache_enabled, policy) -> tuple:
+    """Validated (dtype, device_type, enabled, cache_enabled, policy) of an autocast."""
+    if policy is not None and not isinstance(policy, (Policy, str)):
+        raise TypeError(f"policy must be a jamp.Policy or a policy string, got {type(policy).__name__}")
+    if isinstance(policy, str):  # validate now; resolving the device waits for the first call
+        get_policy(policy, device_type=device_type or "gpu")
+    return (None if dtype is None else parse_dtype(dtype, "dtype"), _check_device_type(device_type),
+            _check_flag("enabled", enabled), _check_flag("cache_enabled", cache_enabled), policy)
+
+
+def _resolve_policy(policy_arg: Policy | str | None, device_type: str | None, dtype: Any) -> Policy:
+    """The policy of an autocast. ``device_type=None`` asks JAX for the backend, which must not happen at
+    import time (it would initialise devices before ``jax.distributed``): call this at the first use."""
+    if policy_arg is not None:
+        policy = get_policy(policy_arg, device_type=device_type)
+    else:
+        policy = builtin_policy(device_type or default_device_type())
+    return policy if dtype is None else policy.with_compute_dtype(dtype)
+
+
+def _region_of(enabled: bool, dtype: Any, device_type: str | None, policy_arg: Policy | str | None) -> Region:
+    """What a nested autocast (a call or a ``with`` block) asks of the enclosing one."""
+    if not enabled:
+        return Region(OFF)
+    if policy_arg is None and device_type is None:
+        return Region(AUTOCAST, None, dtype)
+    return Region(AUTOCAST, _resolve_policy(policy_arg, device_type, dtype))
+
+
 class Autocast:
     """The function returned by :func:`autocast`."""
 
     def __init__(self, fun: Callable, *, dtype, device_type, enabled, cache_enabled, policy,
                  static_argnums, static_argnames):
         self.fun = fun
-        self.enabled = bool(enabled)
-        self.cache_enabled = bool(cache_enabled)
-        self._dtype = None if dtype is None else parse_dtype(dtype, "dtype")
-        self._device_type = _check_device_type(device_type)
-        if policy is not None and not isinstance(policy, (Policy, str)):
-            raise TypeError(f"policy must be a jamp.Policy or a policy string, got {type(policy).__name__}")
-        if isinstance(policy, str):  # validate now; resolving the device waits for the first call
-            get_policy(policy, device_type=device_type or "gpu")
-        self._policy_arg = policy
-        self.static_argnums = tuple(sorted({static_argnums} if isinstance(static_argnums, int) else set(static_argnums)))
-        self.static_argnames = tuple({static_argnames} if isinstance(static_argnames, str) else static_argnames)
+        self._dtype, self._device_type, self.enabled, self.cache_enabled, self._policy_arg = _checked_options(
+            dtype, device_type, enabled, cache_enabled, policy)
+        self.static_argnums = _static_argnums(static_argnums)
+        self.static_argnames = _static_argnames(static_argnames)
         self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._cache_lock = threading.Lock()  # threads share the cache: a lookup must not see another's eviction
+        self._traces: collections.OrderedDict = collections.OrderedDict()  # array signature -> _TraceCount
+        self._warned_retrace = False
         functools.update_wrapper(self, fun, updated=())
 
     @functools.cached_property
     def policy(self) -> Policy:
-        """Resolved on first use: ``device_type=None`` asks JAX for the backend, which must not
-        happen at import time (it would initialise devices before ``jax.distributed``)."""
-        if self._policy_arg is not None:
-            policy = get_policy(self._policy_arg, device_type=self._device_type)
-        else:
-            policy = builtin_policy(self._device_type or default_device_type())
-        return policy if self._dtype is None else policy.with_compute_dtype(self._dtype)
+        """Resolved on first use (see :func:`_resolve_policy`)."""
+        return _resolve_policy(self._policy_arg, self._device_type, self._dtype)
 
     def _region(self) -> Region:
-        if not self.enabled:
-            return Region(OFF)
-        if self._policy_arg is None and self._device_type is None:
-            return Region(AUTOCAST, None, self._dtype)
-        return Region(AUTOCAST, self.policy)
+        return _region_of(self.enabled, self._dtype, self._device_type, self._policy_arg)
 
     def __call__(self, *args, **kwargs):
         if _tracing_depth():
@@ -117,12 +219,14 @@ class Autocast:
 
     def _prepare(self, args: tuple, kwargs: dict):
         """(cache key, dynamic leaves, signature for ``_original``/``_trace``) of one call."""
-        static_args = tuple((i, args[i]) for i in self.static_argnums if i < len(args))
+        # as jax.jit: a negative index counts from the end of this call's positional arguments
+        argnums = sorted({i % len(args) for i in self.static_argnums if -len(args) <= i < len(args)})
+        static_args = tuple((i, args[i]) for i in argnums)
         static_kwargs = tuple(sorted((k, kwargs[k]) for k in self.static_argnames if k in kwargs))
-        rest_args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+        rest_args = tuple(a for i, a in enumerate(args) if i not in argnums)
         rest_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         leaves, treedef = jax.tree.flatten((rest_args, rest_kwargs))
-        dynamic_mask = tuple(_is_dynamic(x) for x in leaves)
+        dynamic_mask = tuple(_is_traced(x) for x in leaves)
         dynamic = [x for x, d in zip(leaves, dynamic_mask) if d]
         static_leaves = tuple(x for x, d in zip(leaves, dynamic_mask) if not d)
         avals = tuple(jax.typeof(x) for x in dynamic)
@@ -133,18 +237,91 @@ class Autocast:
     def _call(self, args: tuple, kwargs: dict):
         key, dynamic, signature = self._prepare(args, kwargs)
         try:
-            entry = self._cache.get(key)
+            with self._cache_lock:
+                entry = self._cache.get(key)
+                if entry is not None:
+                    self._cache.move_to_end(key)
         except TypeError:  # an unhashable static argument: trace every call
             key, entry = None, None
         if entry is None:
-            entry = self._trace(*signature)
+            self._count_trace(signature, dynamic)
+            entry = self._trace(*signature)  # outside the lock: tracing may call other autocast functions
             if key is not None:
-                self._cache[key] = entry
-                if len(self._cache) > _CACHE_SIZE:
-                    self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
+                with self._cache_lock:
+                    self._cache[key] = entry
+                    if len(self._cache) > _CACHE_SIZE:
+                        self._cache.popitem(last=False)
         return jax.tree.unflatten(entry.out_tree, entry.run(dynamic))
+
+    # -- naming arguments in messages, counting traces ------------------------------------------------
+    def _positional_name(self, i: int) -> str:
+        try:
+            params = list(inspect.signature(self.fun).parameters.values())
+        except (TypeError, ValueError):  # a builtin or C callable without a signature
+            return f"args[{i}]"
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if i < len(positional):
+            return positional[i]
+        star = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), "args")
+        return f"{star}[{i - len(positional)}]"
+
+    def _leaf_names(self, rest_args: tuple, rest_kwargs: dict, static_args: dict) -> list[str]:
+        """The name of every leaf of ``(rest_args, rest_kwargs)``, in flattening order: ``config['lr']``."""
+        positions = [i for i in range(len(rest_args) + len(static_args)) if i not in static_args]
+        names = []
+        for path, _ in jax.tree_util.tree_flatten_with_path((rest_args, rest_kwargs))[0]:
+            top = self._positional_name(positions[path[1].idx]) if path[0].idx == 0 else path[1].key
+            names.append(top + jax.tree_util.keystr(path[2:]))
+        return names
+
+    def _traced_note(self, error: Exception, rest_args: tuple, rest_kwargs: dict, static_args: dict) -> str:
+        """JAX names the traced inputs ``dynamic[i]``: say which argument each one is."""
+        names = [n for n, leaf in zip(self._leaf_names(rest_args, rest_kwargs, static_args),
+                                      jax.tree.leaves((rest_args, rest_kwargs))) if _is_traced(leaf)]
+        cited = sorted({int(i) for i in re.findall(r"dynamic\[(\d+)\]", str(error))})
+        which = ", ".join(f"dynamic[{i}] is {names[i]}" for i in cited if i < len(names))
+        return (f"jamp.autocast({_name(self.fun)}): {which + '. ' if which else ''}jamp.autocast traces array "
+                "arguments and Python floats, as jax.jit does (bools, ints, strings and other objects are "
+                "static). To use a value in Python control flow, make it static with static_argnums or "
+                "static_argnames.")
+
+    def _count_trace(self, signature: tuple, dynamic: list) -> None:
+        """Warn once when one array signature has been traced again and again because a static value
+        (a Python int, a string, an unhashable object...) keeps changing: the silent slow path of a cache."""
+        avals, treedef, dynamic_mask, static_leaves, static_args, static_kwargs = signature
+        values = (*static_leaves, *static_args.values(), *static_kwargs.values())
+        try:
+            key = (avals, treedef, dynamic_mask, tuple(static_args), tuple(static_kwargs))
+            count = self._traces.get(key)
+        except TypeError:  # an unhashable pytree node: nothing to count by
+            return
+        if count is None:
+            self._traces[key] = _TraceCount(values)
+            if len(self._traces) > _CACHE_SIZE:
+                self._traces.popitem(last=False)
+            return
+        self._traces.move_to_end(key)
+        count.count += 1
+        count.changes.update(i for i, (a, b) in enumerate(zip(values, count.values)) if not _same(a, b))
+        count.values = values
+        if count.count <= _RETRACE_WARNING or self._warned_retrace or not count.changes:
+            return
+        self._warned_retrace = True
+        rest_args, rest_kwargs = _unflatten(treedef, dynamic_mask, dynamic, static_leaves)
+        leaf_names = self._leaf_names(rest_args, rest_kwargs, static_args)
+        names = ([n for n, d in zip(leaf_names, dynamic_mask) if not d]
+                 + [self._positional_name(i) for i in static_args] + list(static_kwargs))
+        i, changed = count.changes.most_common(1)[0]
+        if _hashable(values[i]):
+            why = (f"the argument {names[i]} changed {changed} times (last value {_short(values[i])}). It is static "
+                   "(part of the cache key): each new value traces and compiles again. Pass it as an array "
+                   "(jnp.asarray(...)) to trace it once, as jax.jit does")
+        else:
+            why = (f"the argument {names[i]} is not hashable ({_short(values[i])}), so no trace of it is cached. "
+                   "Pass a hashable value (a tuple) or an array")
+        warnings.warn(
+            f"jamp.autocast({_name(self.fun)}) has traced the same array shapes and dtypes {count.count} times "
+            f"because {why}.", UserWarning, stacklevel=4)
 
     def rewrite(self, *args, recorder: Any = None, **kwargs) -> tuple[jc.ClosedJaxpr, Any]:
         """The rewritten program for these arguments and its output tree; ``recorder`` (see
@@ -173,13 +350,16 @@ class Autocast:
         out_tree = []
 
         def flat_fun(*dynamic):
-            dyn, stat = iter(dynamic), iter(static_leaves)
-            leaves = [next(dyn) if d else next(stat) for d in dynamic_mask]
-            rest_args, kwargs = jax.tree.unflatten(treedef, leaves)
+            rest_args, kwargs = _unflatten(treedef, dynamic_mask, dynamic, static_leaves)
             rest = iter(rest_args)
             n = len(rest_args) + len(static_args)
             args = [static_args[i] if i in static_args else next(rest) for i in range(n)]
-            out_leaves, tree = jax.tree.flatten(self.fun(*args, **kwargs, **static_kwargs))
+            try:
+                out = self._invoke(args, {**kwargs, **static_kwargs})
+            except jax.errors.ConcretizationTypeError as error:
+                error.add_note(self._traced_note(error, rest_args, kwargs, static_args))
+                raise
+            out_leaves, tree = jax.tree.flatten(out)
             out_tree.append(tree)
             return out_leaves
 
@@ -187,19 +367,96 @@ class Autocast:
             closed = jax.make_jaxpr(flat_fun)(*avals)
         return closed, out_tree[0]
 
+    def _invoke(self, args: list, kwargs: dict) -> Any:
+        """Call the function being traced and return what the traced program outputs."""
+        return self._checked_outputs(self.fun(*args, **kwargs))
+
+    def _n_outputs(self, out_tree) -> int:
+        """How many leading outputs are the function's own (a policy's ``output_dtype`` applies to them)."""
+        return out_tree.num_leaves
+
+    def _checked_outputs(self, out: Any) -> Any:
+        """``out``, if every leaf is a value jax.jit could return; else a TypeError that names the leaf."""
+        for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+            if not (_is_dynamic(leaf) or isinstance(leaf, _OUTPUT_SCALARS)):
+                where = f"output{jax.tree_util.keystr(path)}" if path else "its output"
+                raise TypeError(
+                    f"jamp.autocast: {_name(self.fun)} returned {type(leaf).__name__} {_short(leaf)} as {where}; "
+                    "an autocast function returns what a jax.jit function can: a pytree of arrays and Python "
+                    "numbers (None is an empty subtree). Return other values from a function around it.")
+        return out
+
     def _trace(self, avals, treedef, dynamic_mask, static_leaves, static_args, static_kwargs,
                recorder: Any = None) -> _Entry:
         closed, out_tree = self._original(avals, treedef, dynamic_mask, static_leaves, static_args, static_kwargs)
         policy = self.policy
-        out_dtypes = tuple(policy.output_dtype if policy.output_dtype is not None and is_eligible(a.dtype)
-                           else a.dtype for a in closed.out_avals)
+        n_own = self._n_outputs(out_tree)
+        out_dtypes = tuple(policy.output_dtype if i < n_own and policy.output_dtype is not None
+                           and is_eligible(a.dtype) else a.dtype for i, a in enumerate(closed.out_avals))
         ctx = Context(policy, AUTOCAST, (), self.cache_enabled, recorder)
         return _Entry(trace_jaxpr(closed, tuple(closed.in_avals), ctx, out_dtypes), out_tree)
 
 
+class AutocastSpec:
+    """``jamp.autocast(...)`` without a function: a decorator, and a ``with`` block.
+
+    Inside a function that an autocast is tracing, ``with jamp.autocast(enabled=False):`` (or
+    ``dtype=``, ``device_type=``, ``policy=``) marks its lines as a region exactly as the nested call
+    ``jamp.autocast(g, enabled=False)(...)`` does: torch's nested ``with autocast(...)``. A rewrite needs
+    the whole function, so a ``with`` that would turn autocast on outside any autocast function is an
+    error that shows the function form; ``with jamp.autocast(enabled=False):`` there does nothing, as in
+    torch (outside autocast every op already runs as written), so model code that uses it also runs
+    without autocast.
+    """
+
+    def __init__(self, options: dict):
+        self._options = options
+        self._dtype, self._device_type, self._enabled, _, self._policy_arg = _checked_options(
+            options["dtype"], options["device_type"], options["enabled"], options["cache_enabled"],
+            options["policy"])
+        self._scopes = threading.local()
+
+    def __call__(self, fun: Callable) -> Autocast:
+        return autocast(fun, **self._options)
+
+    def __repr__(self) -> str:
+        return f"jamp.autocast({self._given()})"
+
+    def _given(self) -> str:
+        """The options that differ from the defaults, as the user would write them."""
+        shown = {k: v for k, v in self._options.items() if not _same(v, _DEFAULT_OPTIONS[k])}
+        if "dtype" in shown:
+            shown["dtype"] = f"jnp.{self._dtype.name}"
+        return ", ".join(f"{k}={v if k == 'dtype' else repr(v)}" for k, v in shown.items())
+
+    def __enter__(self) -> None:
+        if any(not _same(self._options[k], _DEFAULT_OPTIONS[k]) for k in ("static_argnums", "static_argnames")):
+            raise TypeError("static_argnums and static_argnames describe a function's arguments; "
+                            f"a `with {self!r}:` block has none")
+        if _tracing_depth():
+            scope = jax.named_scope(marker_for(_region_of(self._enabled, self._dtype, self._device_type,
+                                                          self._policy_arg)))
+        elif not self._enabled:
+            scope = contextlib.nullcontext()
+        else:
+            given = self._given()
+            raise RuntimeError(
+                f"`with {self!r}:` is used outside any function that jamp.autocast transforms. jamp.autocast "
+                "rewrites a whole function (its jaxpr), so it takes the function: write "
+                f"`jamp.autocast(fn{', ' + given if given else ''})(*args)` or decorate it with "
+                f"`@{self!r}`. Inside such a function, `with jamp.autocast(enabled=False):` and "
+                "`with jamp.autocast(dtype=...):` mark regions.")
+        scope.__enter__()
+        self._scopes.__dict__.setdefault("stack", []).append(scope)
+
+    def __exit__(self, *exc: object) -> bool | None:
+        return self._scopes.stack.pop().__exit__(*exc)
+
+
 def autocast(fun: Callable | None = None, /, *, dtype: Any = None, device_type: str | None = None,
              enabled: bool = True, cache_enabled: bool = True, policy: Policy | str | None = None,
-             static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = ()):
+             static_argnums: int | Sequence[int] = (),
+             static_argnames: str | Sequence[str] = ()) -> Autocast | AutocastSpec:
     """Run ``fun`` with automatic mixed precision (torch's ``autocast``, as a function transformation).
 
     Matmuls and convolutions run in ``dtype`` (float16 on ``device_type="gpu"``, bfloat16 on
@@ -207,19 +464,31 @@ def autocast(fun: Callable | None = None, /, *, dtype: Any = None, device_type: 
     input; the op lists are ``policy`` (see :mod:`jamp.casting.oplists`). Use as ``autocast(f)``,
     ``@autocast`` or ``@autocast(dtype=jnp.bfloat16)``. Inside another autocast function,
     ``autocast(g, enabled=False)`` runs ``g`` as written and ``autocast(g, dtype=...)`` switches the
-    dtype for ``g``. Outputs keep the dtypes ``fun`` declares (or the policy's output dtype).
-    Non-array arguments (Python numbers, strings, ...) are static; ``static_argnums`` and
-    ``static_argnames`` make array-valued ones static too.
+    dtype for ``g``; ``with jamp.autocast(enabled=False):`` inside ``fun`` does the same for a block.
+    Outputs keep the dtypes ``fun`` declares (or the policy's output dtype).
+
+    Arrays and Python floats (weak-typed, as under jax.jit) are traced; bools, ints, strings and other
+    objects are static, part of the cache key; ``static_argnums``/``static_argnames`` make any argument
+    static. As with jax.jit, arrays that ``fun`` closes over are constants of the trace, except for an
+    NNX module (or a bound method of one), whose current state is an input of every call.
     """
+    options = {"dtype": dtype, "device_type": device_type, "enabled": enabled, "cache_enabled": cache_enabled,
+               "policy": policy, "static_argnums": static_argnums, "static_argnames": static_argnames}
     if fun is None:
-        return functools.partial(autocast, dtype=dtype, device_type=device_type, enabled=enabled,
-                                 cache_enabled=cache_enabled, policy=policy, static_argnums=static_argnums,
-                                 static_argnames=static_argnames)
+        return AutocastSpec(options)
     if not callable(fun):
         raise TypeError(f"autocast()(fun) requires a callable, but got {type(fun).__name__}. "
                         "Use jamp.autocast(f)(*args) or @jamp.autocast.")
-    return Autocast(fun, dtype=dtype, device_type=device_type, enabled=enabled, cache_enabled=cache_enabled,
-                    policy=policy, static_argnums=static_argnums, static_argnames=static_argnames)
+    from jamp.casting import stateful  # it subclasses Autocast
+
+    bound = stateful.bound_module(fun)
+    if bound is not None:
+        return stateful.ModuleAutocast(fun, *bound, **options)
+    return Autocast(fun, **options)
+
+
+_DEFAULT_OPTIONS = {name: p.default for name, p in inspect.signature(autocast).parameters.items()
+                    if p.kind is p.KEYWORD_ONLY}
 
 
 def custom_fwd(fun: Callable | None = None, /, *, cast_inputs: Any = None):

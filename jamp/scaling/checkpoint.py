@@ -2,19 +2,41 @@
 
 A torch checkpoint's ``scaler.state_dict()`` loads into a jamp opt_state and vice versa. Only the five
 keys travel; ``min_scale``/``max_scale`` (jamp extras) stay as the opt_state has them.
+
+A replicated state (one per ``pmap`` replica, stacked on leading axes as ``jax.pmap(tx.init)`` makes it)
+is one torch scaler per process: its state dict is the value every replica holds, and a loaded state
+dict goes to every replica.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from jamp.scaling import exact_mul
 from jamp.scaling import state as scaler_state
-from jamp.scaling.state import DisabledScalerState
+from jamp.scaling.state import DisabledScalerState, ScalerState
 
 KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_FIELDS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "growth_tracker")  # KEYS' fields
+
+
+def _one_value(st: ScalerState, key: str, field: str) -> np.ndarray:
+    """``field`` of a single state, or the value all replicas of a replicated state agree on."""
+    replicas = np.shape(st.scale)
+    value = np.asarray(getattr(st, field))
+    if value.shape[:len(replicas)] != replicas:
+        raise ValueError(f"the scaler state's {field} has shape {value.shape}, but its scale has shape {replicas}; "
+                         "a replicated state has the same leading replica axes on every field")
+    rows = value.reshape(-1, *value.shape[len(replicas):])
+    as_bytes = rows.reshape(len(rows), -1).view(np.uint8)  # bits, so that a NaN scale equals itself
+    if not (as_bytes == as_bytes[0]).all():
+        raise ValueError(f"the replicas hold different values of {key!r}, and a state dict holds one; pass "
+                         "one replica's state: jamp.state_dict(jax.tree.map(lambda x: x[0], opt_state))")
+    return rows[0]
 
 
 def state_dict(opt_state: Any) -> dict[str, float | int]:
@@ -22,24 +44,29 @@ def state_dict(opt_state: Any) -> dict[str, float | int]:
     st = scaler_state.find(opt_state)
     if isinstance(st, DisabledScalerState):
         return {}
+    v = {key: _one_value(st, key, field) for key, field in zip(KEYS, _FIELDS)}
     return {
-        "scale": float(st.scale),
-        "growth_factor": exact_mul.from_words(st.growth_factor),
-        "backoff_factor": exact_mul.from_words(st.backoff_factor),
-        "growth_interval": int(st.growth_interval),
-        "_growth_tracker": int(st.growth_tracker),
+        "scale": float(v["scale"]),
+        "growth_factor": exact_mul.from_words(v["growth_factor"]),
+        "backoff_factor": exact_mul.from_words(v["backoff_factor"]),
+        "growth_interval": int(v["growth_interval"]),
+        "_growth_tracker": int(v["_growth_tracker"]),
     }
 
 
-def load_state_dict(opt_state: Any, sd: dict[str, Any]) -> Any:
+def load_state_dict(opt_state: Any, sd: Mapping[str, Any]) -> Any:
     """A new opt_state whose scaler takes ``sd``'s values (a no-op when disabled, as torch).
 
-    The factors and interval are validated as the constructor validates them; the scale is loaded as
-    torch's ``fill_`` does, rounded to float32 and not range-checked. Extra keys are ignored.
+    Every value is validated as the constructor validates it (``scale`` as ``init_scale``) before
+    anything is built, so a refused state dict changes nothing. The scale is rounded to float32 as
+    torch's ``fill_`` does. Extra keys are ignored. A replicated state gets the values on every replica.
     """
     st = scaler_state.find(opt_state)
     if isinstance(st, DisabledScalerState):
         return opt_state
+    if not isinstance(sd, Mapping):
+        raise TypeError(f"the state dict must be a mapping (dict) with the keys {KEYS}, "
+                        f"got {type(sd).__name__}")
     if not sd:
         raise ValueError(
             "the state dict is empty; it was probably saved from a disabled scaler "
@@ -53,6 +80,7 @@ def load_state_dict(opt_state: Any, sd: dict[str, Any]) -> Any:
         backoff_factor=sd["backoff_factor"],
         growth_interval=sd["growth_interval"],
     )
-    fields["scale"] = scaler_state.f32(scaler_state.real("scale", sd["scale"]))
+    fields["scale"] = scaler_state.f32(scaler_state.checked_float("scale", sd["scale"]))
     fields["growth_tracker"] = np.int32(scaler_state.checked_int("_growth_tracker", sd["_growth_tracker"], 0))
-    return scaler_state.replace(opt_state, st._replace(**scaler_state.as_arrays(fields)))
+    replicated = {k: jnp.broadcast_to(v, jnp.shape(getattr(st, k))) for k, v in scaler_state.as_arrays(fields).items()}
+    return scaler_state.replace(opt_state, st._replace(**replicated))

@@ -52,12 +52,17 @@ def found_inf(opt_state: Any) -> jax.Array:
 def set_scale(opt_state: Any, new_scale: Any) -> Any:
     """torch's ``update(new_scale)``: the scale becomes ``float32(new_scale)``, the tracker is untouched.
 
-    Like torch, the value is not validated; it may be a traced scalar. A no-op when disabled.
+    Like torch, the value is not range-checked; it may be a traced scalar. It must have one element (torch
+    accepts a float or a one-element tensor); a replicated state gets it on every replica. A no-op when
+    disabled.
     """
     st = scaler_state.find(opt_state)
     if isinstance(st, DisabledScalerState):
         return opt_state
-    return scaler_state.replace(opt_state, st._replace(scale=jnp.reshape(jnp.asarray(new_scale, jnp.float32), ())))
+    value = jnp.asarray(new_scale, jnp.float32)
+    if value.size != 1:
+        raise ValueError(f"new_scale must be a scalar or a one-element array, got shape {value.shape}")
+    return scaler_state.replace(opt_state, st._replace(scale=jnp.broadcast_to(value.reshape(()), jnp.shape(st.scale))))
 
 
 def value_and_grad(
@@ -73,6 +78,13 @@ def value_and_grad(
     """
 
     def grads_of(opt_state: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if not scaler_state.all_states(opt_state) and not scaler_state.restored_without_target(opt_state):
+            raise TypeError(
+                f"jamp.value_and_grad({getattr(fun, '__name__', 'loss_fn')})(opt_state, *args): the first argument "
+                f"must be the optimizer state that holds the jamp.scaler state (tx.init(params)), got a "
+                f"{type(opt_state).__name__} that holds none. Call it as jamp.value_and_grad(loss_fn)(opt_state, "
+                "params, batch), where loss_fn(params, batch) returns the loss")
+
         def scaled(*a: Any, **k: Any):
             out = fun(*a, **k)
             loss = out[0] if has_aux else out

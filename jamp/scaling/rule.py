@@ -3,14 +3,17 @@
 =============================  ==================================  ===============
 outcome                        new scale                           new tracker
 =============================  ==================================  ===============
-BACKOFF: found_inf             max(scale * backoff, min_scale)     0
+BACKOFF: found_inf             max(scale * backoff, min_scale,     0
+                               2**-149)
 HOLD: tracker + 1 != interval  scale                               tracker + 1
 GROW: tracker + 1 == interval  min(scale * growth, max_scale),     0
                                or scale if the product is inf
 =============================  ==================================  ===============
 
 The products are ``float32(double(scale) * factor)`` as torch computes them (see :mod:`jamp.scaling.exact_mul`).
-``==`` is exact: a tracker already past the interval (after ``load_state_dict``) counts on and never
+The one departure from torch: a backoff never reaches 0 (torch's does, 150 backoffs below 1e-45, and
+then every update is NaN with found_inf False); it stops at the smallest positive float32, whose
+inverse :func:`jamp_kernels.inverse` gives exactly. ``==`` is exact: a tracker already past the interval (after ``load_state_dict``) counts on and never
 grows until a backoff resets it, as in torch. Comparisons and selections work on the float32 bits as
 integers: XLA flushes subnormals to zero in float compares and turns compare+select into max/min
 instructions, which would lose torch's subnormal scales.
@@ -25,6 +28,7 @@ from jamp.scaling import exact_mul
 from jamp.scaling.state import ScalerState
 
 BACKOFF, HOLD, GROW = 0, 1, 2
+_SMALLEST = 1  # the bits of the smallest positive float32, 2**-149
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -43,6 +47,7 @@ def next_scale(state: ScalerState, found_inf: jax.Array) -> tuple[jax.Array, jax
     scale, lo, hi = _bits(state.scale), _bits(state.min_scale), _bits(state.max_scale)
     backed = _bits(exact_mul.mul_f32_f64(state.scale, state.backoff_factor))
     backed = jnp.where(_key(backed) < _key(lo), lo, backed)
+    backed = jnp.where(backed == 0, _SMALLEST, backed)  # torch's rule reaches 0, whose inverse makes NaN updates
     grown = _bits(exact_mul.mul_f32_f64(state.scale, state.growth_factor))
     finite = (grown & 0x7F800000) != 0x7F800000
     grown = jnp.where(finite, jnp.where(_key(grown) > _key(hi), hi, grown), scale)

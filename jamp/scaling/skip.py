@@ -20,6 +20,7 @@ gets the same results, only without the speed-up.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -50,8 +51,13 @@ def _trace(update: Callable, grads: Any, state: Any, params: Any, extra: dict):
     return closed, jax.tree.leaves(args), jax.tree.structure(out_shape), len(jax.tree.leaves(out_shape[0]))
 
 
-def step_or_skip(update: Callable, skip: jax.Array, grads: Any, state: Any, params: Any, extra: dict):
-    """``update(grads, state, params, **extra)``, or ``(zeros, state)`` bit for bit where ``skip`` is True."""
+def _zero_where(skip: jax.Array, updates: list) -> list:
+    return [jax.lax.select(skip, jnp.full_like(u, -0.0), u) for u in updates]  # p + -0.0 is p, even p = -0.0
+
+
+def select_where_produced(update: Callable, skip: jax.Array, grads: Any, state: Any, params: Any, extra: dict):
+    """``update(grads, state, params, **extra)``, or ``(zeros, state)`` bit for bit where ``skip`` is True;
+    each state leaf is selected as soon as it is produced (the module docstring says why)."""
     closed, flat_args, out_tree, n_updates = _trace(update, grads, state, params, extra)
     jaxpr, olds = closed.jaxpr, jax.tree.leaves(state)
     state_vars = jaxpr.outvars[n_updates:]
@@ -79,6 +85,29 @@ def step_or_skip(update: Callable, skip: jax.Array, grads: Any, state: Any, para
             return env[v]  # already selected against this very leaf
         return _select(skip, old, computed[v] if isinstance(v, jc.Var) and v in computed else read(v))
 
-    updates = [jnp.asarray(read(v)) for v in jaxpr.outvars[:n_updates]]
-    updates = [jax.lax.select(skip, jnp.full_like(u, -0.0), u) for u in updates]  # p + -0.0 is p, even p = -0.0
+    updates = _zero_where(skip, [jnp.asarray(read(v)) for v in jaxpr.outvars[:n_updates]])
     return jax.tree.unflatten(out_tree, updates + [new_leaf(v, old) for v, old in zip(state_vars, olds)])
+
+
+def select_after(update: Callable, skip: jax.Array, grads: Any, state: Any, params: Any, extra: dict):
+    """The same result as :func:`select_where_produced`: run ``update``, then select every state leaf and
+    zero the updates. XLA:GPU fuses each select into the kernel that produces the leaf."""
+    updates, new_state = update(grads, state, params, **extra)
+    if jax.tree.structure(new_state) != jax.tree.structure(state):
+        raise TypeError("jamp.scaler: the wrapped transformation returned a state of another structure")
+    flat, tree = jax.tree.flatten(updates)
+    selected = jax.tree.map(lambda old, new: _select(skip, old, new), state, new_state)
+    return jax.tree.unflatten(tree, _zero_where(skip, [jnp.asarray(u) for u in flat])), selected
+
+
+# Which form each platform runs (benchmarks/scaler_overhead.py measures both): on XLA:CPU a select after
+# the update makes XLA copy every moment first (see above); XLA:GPU fuses it.
+FORM_OF_PLATFORM = {"cuda": select_after, "default": select_where_produced}
+
+
+def step_or_skip(update: Callable, skip: jax.Array, grads: Any, state: Any, params: Any, extra: dict):
+    """``update(grads, state, params, **extra)``, or ``(zeros, state)`` bit for bit where ``skip`` is True,
+    in the form :data:`FORM_OF_PLATFORM` picks for the platform the program is lowered for."""
+    branches = {platform: functools.partial(form, update, skip, grads, state, params, extra)
+                for platform, form in FORM_OF_PLATFORM.items()}
+    return jax.lax.platform_dependent(**branches)

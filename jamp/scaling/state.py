@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -46,11 +47,23 @@ class DisabledScalerState(NamedTuple):
     inner_state: optax.OptState
 
 
+def shown(value: Any, width: int = 40) -> str:
+    """``repr(value)`` cut to ``width`` characters, so an error about ``10**400`` stays one line."""
+    text = repr(value)
+    return text if len(text) <= width else f"{text[:width - 12]}...({len(text)} chars)"
+
+
 def real(name: str, value: Any) -> float:
-    """``value`` as a Python float; TypeError naming ``name`` for bools and non-numbers."""
+    """``value`` as a Python float; TypeError naming ``name`` for bools and non-numbers.
+
+    An int too large for a float (``10**400``) becomes +-inf, so the caller's range check names it.
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r} of type {type(value).__name__}")
-    return float(value)
+        raise TypeError(f"{name} must be a real number, got {shown(value)} of type {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def f32(value: float) -> np.float32:
@@ -60,8 +73,10 @@ def f32(value: float) -> np.float32:
 
 
 # name -> (test on the float value, what is allowed): the constructor's and load_state_dict's checks.
+_SCALE_RULE = (lambda v: math.isfinite(f32(v)) and f32(v) > 0, "a finite float > 0 (in float32)")
 _FLOAT_RULES = {
-    "init_scale": (lambda v: math.isfinite(f32(v)) and f32(v) > 0, "a finite float > 0 (in float32)"),
+    "init_scale": _SCALE_RULE,
+    "scale": _SCALE_RULE,  # load_state_dict's key
     "growth_factor": (lambda v: math.isfinite(v) and v > 1.0, "a finite float > 1.0"),
     "backoff_factor": (lambda v: 0.0 < v < 1.0, "a float in (0, 1)"),
     "min_scale": (lambda v: math.isfinite(f32(v)) and f32(v) > 0, "None or a finite float > 0 (in float32)"),
@@ -69,36 +84,37 @@ _FLOAT_RULES = {
 }
 
 
-def _checked_float(name: str, value: Any) -> float:
+def checked_float(name: str, value: Any) -> float:
+    """``value`` as a float that passes ``_FLOAT_RULES[name]``, else TypeError/ValueError naming ``name``."""
     v = real(name, value)
     ok, allowed = _FLOAT_RULES[name]
     if not ok(v):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise ValueError(f"{name} must be {allowed}, got {shown(value)}")
     return v
 
 
 def checked_int(name: str, value: Any, low: int) -> int:
     """``value`` as an int in ``[low, 2**31 - 1]`` (it is stored as int32), else TypeError/ValueError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= {low}, got {value!r} of type {type(value).__name__}")
+        raise TypeError(f"{name} must be an int >= {low}, got {shown(value)} of type {type(value).__name__}")
     if not low <= int(value) <= _INT32_MAX:
-        raise ValueError(f"{name} must be an int in [{low}, {_INT32_MAX}], got {value!r}")
+        raise ValueError(f"{name} must be an int in [{low}, {_INT32_MAX}], got {shown(value)}")
     return int(value)
 
 
 def torch_hyperparams(*, growth_factor: Any, backoff_factor: Any, growth_interval: Any) -> dict:
     """Validated torch hyperparameters as the numpy values of their ScalerState fields."""
     return {
-        "growth_factor": exact_mul.to_words(_checked_float("growth_factor", growth_factor)),
-        "backoff_factor": exact_mul.to_words(_checked_float("backoff_factor", backoff_factor)),
+        "growth_factor": exact_mul.to_words(checked_float("growth_factor", growth_factor)),
+        "backoff_factor": exact_mul.to_words(checked_float("backoff_factor", backoff_factor)),
         "growth_interval": np.int32(checked_int("growth_interval", growth_interval, 1)),
     }
 
 
 def bounds(min_scale: Any, max_scale: Any) -> dict:
     """Validated ``min_scale``/``max_scale`` fields; None means no bound (0 and inf)."""
-    lo = 0.0 if min_scale is None else _checked_float("min_scale", min_scale)
-    hi = math.inf if max_scale is None else _checked_float("max_scale", max_scale)
+    lo = 0.0 if min_scale is None else checked_float("min_scale", min_scale)
+    hi = math.inf if max_scale is None else checked_float("max_scale", max_scale)
     if lo > hi:
         raise ValueError(f"min_scale must be <= max_scale, got min_scale={min_scale!r} > max_scale={max_scale!r}")
     return {"min_scale": np.float32(lo), "max_scale": np.float32(hi)}
@@ -106,7 +122,7 @@ def bounds(min_scale: Any, max_scale: Any) -> dict:
 
 def checked_init_scale(init_scale: Any, hp: dict) -> np.float32:
     """``init_scale`` rounded to float32 (as torch's ``torch.full((), init_scale)``), inside [min, max]."""
-    s = f32(_checked_float("init_scale", init_scale))
+    s = f32(checked_float("init_scale", init_scale))
     if not hp["min_scale"] <= s <= hp["max_scale"]:
         raise ValueError(f"init_scale must lie in [min_scale, max_scale], got {init_scale!r}")
     return s
@@ -116,16 +132,47 @@ def is_scaler_state(x: Any) -> bool:
     return isinstance(x, (ScalerState, DisabledScalerState))
 
 
+def checked_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r} of type {type(value).__name__}")
+    return bool(value)
+
+
+def all_states(tree: Any) -> list[ScalerState | DisabledScalerState]:
+    """Every scaler state inside ``tree``."""
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_scaler_state) if is_scaler_state(x)]
+
+
+# The fields by which a ScalerState restored without a target (orbax gives a dict) is recognised.
+_RESTORED_FIELDS = frozenset({"scale", "growth_tracker", "inner_state"})
+
+
+def restored_without_target(tree: Any) -> list[str]:
+    """Paths of dicts that hold a ScalerState's fields: a checkpoint restored without a target."""
+    def is_restored(x: Any) -> bool:
+        return isinstance(x, Mapping) and _RESTORED_FIELDS <= x.keys()
+
+    paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_restored)[0]
+    return [jax.tree_util.keystr(p) or "opt_state itself" for p, x in paths if is_restored(x)]
+
+
 def find(opt_state: Any) -> ScalerState | DisabledScalerState:
     """The one scaler state inside ``opt_state`` (MultiSteps, inject_hyperparams, multi_transform, chain...)."""
-    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_scaler_state) if is_scaler_state(x)]
-    if len(found) != 1:
-        what = "no jamp.scaler state" if not found else f"{len(found)} jamp.scaler states"
+    found = all_states(opt_state)
+    if len(found) == 1:
+        return found[0]
+    restored = [] if found else restored_without_target(opt_state)
+    if restored:
         raise ValueError(
-            f"expected exactly one jamp.scaler state in opt_state, found {what}; pass the optimizer state "
-            "returned by jamp.scaler(...).init/update, or the part of it that holds the scaler you mean"
-        )
-    return found[0]
+            f"found no jamp.scaler state in opt_state, but a dict with jamp.ScalerState's fields at "
+            f"{', '.join(restored)}: a checkpoint restored without a target gives dicts for NamedTuples. Restore "
+            "with a target so the structure comes back, e.g. checkpointer.restore(path, {'opt_state': "
+            "tx.init(params), ...}) or, without allocating, jax.eval_shape(tx.init, params) as the target")
+    what = "no jamp.scaler state" if not found else f"{len(found)} jamp.scaler states"
+    raise ValueError(
+        f"expected exactly one jamp.scaler state in opt_state, found {what}; pass the optimizer state "
+        "returned by jamp.scaler(...).init/update, or the part of it that holds the scaler you mean"
+    )
 
 
 def replace(opt_state: Any, new: ScalerState | DisabledScalerState) -> Any:

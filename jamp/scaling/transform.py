@@ -7,6 +7,7 @@ advancing their counts and moments.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -21,23 +22,6 @@ from jamp.scaling import state as scaler_state
 from jamp.scaling.state import DisabledScalerState, ScalerState
 
 _BACKENDS = ("auto", "xla", "pallas", "interpret")
-
-
-def _xla(grads, inv_scale, backend):
-    """Plain jnp: XLA fuses the unscale into the optimizer's loops, so unscaled grads never hit memory."""
-    return jamp_kernels.unscale(grads, inv_scale), jamp_kernels.has_nonfinite(grads)
-
-
-def _kernel(grads, inv_scale, backend):
-    """The fused unscale + check kernel (one pass over the grads, unscaled grads written out)."""
-    return jamp_kernels.unscale_and_check(grads, inv_scale, backend=backend)
-
-
-def _path(backend: str) -> Callable:
-    """backend -> how update() unscales and checks; "auto" is resolved when update() is traced."""
-    if backend == "auto":
-        return _kernel if jax.default_backend() == "gpu" else _xla
-    return _xla if backend == "xla" else _kernel
 
 
 def _combine(found_inf: jax.Array, axis_name: Hashable | tuple | None) -> jax.Array:
@@ -82,6 +66,29 @@ def _check_inner(inner: tuple) -> optax.GradientTransformationExtraArgs:
     return optax.with_extra_args_support(inner[0] if len(inner) == 1 else optax.chain(*inner))
 
 
+def _not_injectable(factory: Callable) -> Callable:
+    """Refuse ``optax.inject_hyperparams(jamp.scaler)`` with a message that shows what to write instead.
+
+    inject_hyperparams calls its factory with every parameter by keyword, ``*more`` included, and would turn
+    the scaler's hyperparameters into arrays that ``update`` never reads: they already live in the
+    scaler's state (changed with ``jamp.load_state_dict``/``jamp.set_scale``, no recompilation).
+    """
+
+    @functools.wraps(factory)
+    def wrapper(*args: Any, **kwargs: Any) -> optax.GradientTransformationExtraArgs:
+        if "more" in kwargs:
+            raise TypeError(
+                "optax.inject_hyperparams(jamp.scaler) is not supported: the scaler's hyperparameters are "
+                "arrays in its state already (change them with jamp.load_state_dict or jamp.set_scale). "
+                "To schedule or change the optimizer's hyperparameters, inject them into the optimizer the "
+                "scaler wraps: jamp.scaler(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)), then "
+                "opt_state.inner_state.hyperparams['learning_rate']")
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
+@_not_injectable
 def scaler(
     inner: optax.GradientTransformation | None = None,
     *more: optax.GradientTransformation,
@@ -103,9 +110,10 @@ def scaler(
     the scale by torch's ``_amp_update_scale_`` rule (:mod:`jamp.scaling.rule`). Produce the scaled grads
     with ``jamp.scale(loss, opt_state)`` or ``jamp.value_and_grad``.
 
-    ``backend``: "xla" (jnp check and unscale, which XLA fuses into ``inner``), "pallas"/"interpret" (the
-    fused ``jamp_kernels.unscale_and_check``), "auto" (the kernel when the default backend is a GPU, else
-    xla). The skip is a select, not a ``lax.cond``: see :mod:`jamp.scaling.skip` for why that is the fast form.
+    ``backend`` picks the finite check (``jamp_kernels.has_nonfinite``): "auto" (one Pallas kernel launch over
+    all leaves on CUDA, XLA's fused reductions elsewhere), "xla", "pallas", "interpret"; the unscale is plain
+    jnp that XLA fuses into ``inner``. The skip is a select, not a ``lax.cond``, in the form that is fastest
+    on the platform the step is lowered for (see :mod:`jamp.scaling.skip`).
     ``min_scale``/``max_scale`` are extras beyond torch, off by default. ``enabled=False`` applies ``inner``
     on every step, validates nothing but ``inner``, and makes ``jamp.scale`` the identity.
 
@@ -114,7 +122,7 @@ def scaler(
     each group its own scaler (then each has its own scale).
     """
     inner_tx = _check_inner(() if inner is None else (inner, *more))
-    if not enabled:
+    if not scaler_state.checked_bool("enabled", enabled):
         return _disabled(inner_tx)
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
@@ -136,11 +144,13 @@ def scaler(
         )
 
     def update(grads: optax.Updates, state: ScalerState, params: optax.Params | None = None, **extra: Any):
-        # == float32(1 / float64(scale)) (tests/test_scaler_torch.py), kept normal above 2**126
-        inv_scale = jamp_kernels.inverse(state.scale)
-        unscaled, found_inf = _path(backend)(grads, inv_scale, backend)
-        found_inf = _combine(jnp.asarray(found_inf, jnp.bool_), axis_name)
-        updates, inner_state = skip.step_or_skip(inner_tx.update, found_inf, unscaled, state.inner_state, params, extra)
+        found_inf = _combine(jamp_kernels.has_nonfinite(grads, backend=backend), axis_name)
+        # == float32(1 / float64(scale)) (tests/test_scaler_torch.py), kept normal above 2**126. XLA fuses
+        # the unscale into inner's loops; zeroing a skipped step's grads means the computation that is
+        # discarded never sees inf/NaN (an SVD of an inf matrix may never return).
+        unscaled = jamp_kernels.unscale(grads, jamp_kernels.inverse(state.scale))
+        finite = jax.tree.map(lambda g: jnp.where(found_inf, jnp.zeros_like(g), g), unscaled)
+        updates, inner_state = skip.step_or_skip(inner_tx.update, found_inf, finite, state.inner_state, params, extra)
         scale, tracker = scale_rule.next_scale(state, found_inf)
         return updates, state._replace(
             scale=scale, growth_tracker=tracker, found_inf=found_inf, inner_state=inner_state

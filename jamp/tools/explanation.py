@@ -41,7 +41,11 @@ class OpRecord:
 
     @property
     def low_precision(self) -> bool:
-        return any(d in ("float16", "bfloat16") for d in self.ran_dtypes)
+        return self.float8 or any(d in ("float16", "bfloat16") for d in self.ran_dtypes)
+
+    @property
+    def float8(self) -> bool:
+        return any(d.startswith("float8") for d in self.ran_dtypes)
 
 
 def _dtypes(values) -> tuple:
@@ -113,6 +117,7 @@ class Report:
             "matmul_conv_count": len(matmuls),
             "matmul_conv_low_precision": sum(r.low_precision for r in matmuls),
             "low_precision_flop_share": (sum(r.flops for r in matmuls if r.low_precision) / total) if total else 0.0,
+            "float8_flop_share": (sum(r.flops for r in matmuls if r.float8) / total) if total else 0.0,
             "casts_inserted": sum(r.casts for r in self.rows),
             "activation_bytes_saved": sum(r.traced_out_bytes - r.out_bytes for r in self.rows),
         }
@@ -137,7 +142,7 @@ class Report:
         from rich.table import Table
 
         rows = [r for r in self.rows if r.casts or not only_casts]
-        how = "one row per equation" if full else "by module path; report.to_text(full=True) lists every equation"
+        how = "one row per equation" if full else "by module path"
         table = Table(title=f"jamp.explain: {len(rows)} equations, {how}", title_justify="left",
                       box=box.SIMPLE_HEAD, pad_edge=False)
         columns = COLUMNS if full else REGION_COLUMNS
@@ -163,6 +168,8 @@ class Report:
         console.print(self.table(full=full))
         console.print(", ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}"
                                 for k, v in self.summary.items()), width=width or 120)
+        if not full:
+            console.print("report.to_text(full=True) lists every equation.")
         return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines()) + "\n"
 
     def __str__(self) -> str:

@@ -8,6 +8,8 @@ NEEDS TORCH; NOT RUN BY THE TEST SUITE (torch is no test dependency, the JSON is
 Every number is recorded as torch computed it on the CPU (torch 2.13.0+cpu). Sections:
   trajectories     GradScaler("cpu", ...) + SGD(lr=1) over random inf/NaN patterns: per step the scaled grads
                    fed in, the scale used, found_inf, the unscaled grads after step(), scale and tracker after.
+                   The last one keeps the scale subnormal, with gradients large enough that the scaled ones
+                   are normal floats (a subnormal gradient would be flushed by XLA before any unscale).
   update_kernel    torch._amp_update_scale_ on random scales (subnormal to FLT_MAX) and double factors.
   inv_scale        _scale.double().reciprocal().float() for random float32 scales.
   scale_outputs    scaler.scale() result dtypes and values for 0-dim and vector losses.
@@ -39,6 +41,8 @@ CONFIGS = [
     ("to_subnormal", 1.17e-38, 1.3, 0.3, 4, 30, 0.8),
     ("growth_every_step", 16.0, 2.0, 0.5, 1, 20, 0.1),
 ]
+# Drawn after every other section, so that their random numbers stay as they were.
+SUBNORMAL = ("subnormal_scale", 2.0**-127, 1.25, 0.75, 2, 40, 0.3, 2.0**40)
 DOC_PATTERN = "FFFFFFIFFFIIFFFFNFF"  # torch_amp_behavior.md section 1.10
 SHAPES = {"w": ((2, 3), torch.float32), "b": ((3,), torch.bfloat16), "d": ((2,), torch.float64)}
 
@@ -54,7 +58,7 @@ def values(t: torch.Tensor) -> list[float]:
     return flat if t.dtype == torch.float64 else [f(v) for v in flat]
 
 
-def trajectory(name, init_scale, growth, backoff, interval, steps, p_bad):
+def trajectory(name, init_scale, growth, backoff, interval, steps, p_bad, grad_size=1.0):
     params = {k: torch.zeros(shape, dtype=dt, requires_grad=True) for k, (shape, dt) in SHAPES.items()}
     opt = torch.optim.SGD(list(params.values()), lr=1.0)
     stepped = []
@@ -70,7 +74,8 @@ def trajectory(name, init_scale, growth, backoff, interval, steps, p_bad):
         scale_used = sc.get_scale()
         grads = {}
         for k, (shape, dt) in SHAPES.items():
-            g = torch.from_numpy(rng.standard_normal(shape)).to(dt) * torch.tensor(scale_used, dtype=torch.float64).to(dt)
+            g = (torch.from_numpy(rng.standard_normal(shape) * grad_size).to(dt)
+                 * torch.tensor(scale_used, dtype=torch.float64).to(dt))
             grads[k] = g
         if kind != "F":
             k = list(SHAPES)[rng.integers(len(SHAPES))]
@@ -112,6 +117,9 @@ def update_kernel(n=250):
 
 def inv_scale(n=250):
     scales = [65536.0, 3.0, 7.0, 10.0, 1e-3, 12345.678, 1e38, 1e-30]
+    # subnormal scales: 1/scale is finite down to just above 2**-128, inf below
+    scales += [2.0**-127, 1.5 * 2.0**-127, 1.1754942e-38, 5e-39, 3e-39, 2.0**-128 * (1 + 2.0**-21), 2.0**-128,
+               1e-39, 1e-42, 1e-45]
     scales += [float(np.float32(np.exp(x))) for x in rng.uniform(-60.0, 60.0, n)]
     return [{"scale": f(s), "inv": f(torch.tensor(s, dtype=torch.float32).double().reciprocal().float())} for s in scales]
 
@@ -156,6 +164,7 @@ def main():
         "scale_outputs": scale_outputs(),
         "scaling_case": scaling_case(),
     }
+    goldens["trajectories"].append(trajectory(*SUBNORMAL))
     OUT.write_text(json.dumps(goldens, separators=(",", ":")) + "\n")
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
 

@@ -25,6 +25,8 @@ LEAF_RULES = {
     oplists.PASSTHROUGH: leaf.passthrough,
     oplists.DEFAULT: leaf.default,
 }
+# A policy with fp8 on swaps the `lower` rule for one that runs eligible matmuls in float8.
+FP8_LEAF_RULES = {**LEAF_RULES, oplists.LOWER: leaf.lower_fp8}
 
 
 def select_rule(eqn, ctx):
@@ -33,4 +35,4 @@ def select_rule(eqn, ctx):
     if name in HIGHER_ORDER_RULES:
         return HIGHER_ORDER_RULES[name], name
     effective = EFFECTIVE_RULE[ctx.mode][ctx.policy.category(name)]
-    return LEAF_RULES[effective], effective
+    return (FP8_LEAF_RULES if ctx.policy.fp8 else LEAF_RULES)[effective], effective

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from jamp._jax_compat import Literal
+from jamp.casting import fp8
 from jamp.casting.call import MATMUL_LIKE, Call, is_float
 from jamp.casting.dtypes import FLOAT32, is_eligible, is_low, widest
 
@@ -31,6 +33,23 @@ def lower(call: Call):
         return default(call)
     invals = [call.env.cast(x, dtype) if is_float(x) else x for x in call.invals]
     return call.bind(invals, **_set_preferred(call, dtype))
+
+
+def lower_fp8(call: Call):
+    """``lower`` under a policy with ``fp8`` on: a ``dot_general`` of two eligible floating operands
+    whose shapes :func:`jamp.casting.fp8.eligible` accepts runs as a float8 matmul with current
+    scaling, emitting the compute dtype; everything else runs as ``lower``."""
+    if call.eqn.primitive.name != "dot_general" or not _fp8_eligible(call):
+        return lower(call)
+    lhs, rhs = call.invals
+    call.bound = [jax.ShapeDtypeStruct(x.shape, fp8.FORWARD.dtype) for x in (lhs, rhs)]  # what jamp.explain shows
+    return fp8.dot_general(lhs, rhs, call.params["dimension_numbers"], call.ctx.compute_dtype)
+
+
+def _fp8_eligible(call: Call) -> bool:
+    lhs, rhs = call.invals
+    return (all(is_float(x) and is_eligible(x.dtype) for x in (lhs, rhs))
+            and fp8.eligible(lhs.shape, rhs.shape, call.params["dimension_numbers"]))
 
 
 def float32(call: Call):
