@@ -152,7 +152,8 @@ class Report:
             for row in rows:
                 d = dict(zip(OpRecord.__annotations__, dataclasses.astuple(row)), source=short_source(row.source))
                 table.add_row(*(", ".join(d[c]) if isinstance(d[c], tuple) else str(d[c]) for c in columns))
-        for path, group in ({} if full else _by_path(rows)).items():
+            return table
+        for path, group in _by_path(rows).items():
             table.add_row(path or "<top>", str(len(group)), _tally(d for r in group for d in _ran_floats(r)),
                           _tally(r.rule for r in group if r.rule != oplists.PASSTHROUGH) or "-",
                           str(sum(r.casts for r in group)),
