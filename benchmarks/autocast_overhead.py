@@ -32,11 +32,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from gpt_model import Decoder
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var, jaxprs_in_params
 
 import jamp
@@ -61,41 +61,6 @@ class Config:
 
 
 SMALL = dict(layers=2, d_model=64, d_mlp=256, vocab=128, seq=32, batch=4)
-
-
-class Block(nn.Module):
-    """Pre-LayerNorm decoder block: causal self-attention, then a gelu MLP."""
-
-    config: Config
-    dtype: Any = None
-
-    @nn.compact
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-        c = self.config
-        h = nn.LayerNorm(dtype=self.dtype, name="ln1")(x)
-        x = x + nn.MultiHeadDotProductAttention(c.heads, dtype=self.dtype, name="attn")(h, mask=mask)
-        h = nn.LayerNorm(dtype=self.dtype, name="ln2")(x)
-        h = nn.gelu(nn.Dense(c.d_mlp, dtype=self.dtype, name="mlp_in")(h))
-        return x + nn.Dense(c.d_model, dtype=self.dtype, name="mlp_out")(h)
-
-
-class Decoder(nn.Module):
-    """Token + position embeddings, ``layers`` blocks, final LayerNorm, lm_head (tied or untied)."""
-
-    config: Config
-    dtype: Any = None
-
-    @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        c = self.config
-        embed = nn.Embed(c.vocab, c.d_model, dtype=self.dtype, name="embed")
-        positions = nn.Embed(c.seq, c.d_model, dtype=self.dtype, name="pos_embed")(jnp.arange(tokens.shape[-1]))
-        x = embed(tokens) + positions
-        mask = nn.make_causal_mask(tokens, dtype=jnp.bool_)
-        for i in range(c.layers):
-            x = Block(c, self.dtype, name=f"layers_{i}")(x, mask)
-        x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
-        return embed.attend(x) if c.tied else nn.Dense(c.vocab, dtype=self.dtype, name="lm_head")(x)
 
 
 @dataclasses.dataclass(frozen=True)

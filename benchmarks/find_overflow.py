@@ -23,7 +23,12 @@ import time
 from collections.abc import Callable
 
 import jax
-from autocast_overhead import SMALL, Config, Decoder, make_loss  # benchmarks/, the script's directory
+from autocast_overhead import (  # benchmarks/, the script's directory
+    SMALL,
+    Config,
+    Decoder,
+    make_loss,
+)
 
 import jamp
 

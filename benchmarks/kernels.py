@@ -68,7 +68,7 @@ def table(shrink: int, calls: int, rounds: int) -> None:
     fns = variants(on_gpu)
     inv = jnp.float32(1 / 1024)
     reference = None
-    print(f"| tree | variant | ms | GB/s | vs 1-leaf copy |\n|---|---|---|---|---|")
+    print("| tree | variant | ms | GB/s | vs 1-leaf copy |\n|---|---|---|---|---|")
     for row, (leaves, nbytes, dtype) in ROWS.items():
         tree = make_tree(leaves, nbytes // shrink, dtype)
         size = sum(g.nbytes for g in tree)

@@ -38,11 +38,11 @@ from collections.abc import Callable
 from typing import Any
 
 import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import jaxlib
 import optax
+from gpt_model import Decoder
 
 import jamp
 
@@ -57,6 +57,8 @@ class Config:
     vocab: int
     seq: int
     batch: int
+
+    tied: bool = True  # the lm_head is the token embedding
 
     @property
     def d_mlp(self) -> int:
@@ -75,40 +77,7 @@ BASELINE = "jamp_bf16"
 # ---------------------------------------------------------------- the model and one variant's step
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm decoder block: causal self-attention, then a gelu MLP."""
-
-    config: Config
-    dtype: Any = None
-
-    @nn.compact
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-        c = self.config
-        h = nn.LayerNorm(dtype=self.dtype, name="ln1")(x)
-        x = x + nn.MultiHeadDotProductAttention(c.heads, dtype=self.dtype, name="attn")(h, mask=mask)
-        h = nn.LayerNorm(dtype=self.dtype, name="ln2")(x)
-        h = nn.gelu(nn.Dense(c.d_mlp, dtype=self.dtype, name="mlp_in")(h))
-        return x + nn.Dense(c.d_model, dtype=self.dtype, name="mlp_out")(h)
-
-
-class GPT(nn.Module):
-    """Token and position embeddings, ``layers`` blocks, final LayerNorm, lm_head tied to the embedding."""
-
-    config: Config
-    dtype: Any = None
-
-    @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        c = self.config
-        embed = nn.Embed(c.vocab, c.d_model, dtype=self.dtype, name="embed")
-        x = embed(tokens) + nn.Embed(c.seq, c.d_model, dtype=self.dtype, name="pos_embed")(jnp.arange(tokens.shape[-1]))
-        mask = nn.make_causal_mask(tokens, dtype=jnp.bool_)
-        for i in range(c.layers):
-            x = Block(c, self.dtype, name=f"block_{i}")(x, mask)
-        return embed.attend(nn.LayerNorm(dtype=self.dtype, name="ln_f")(x))
-
-
-def make_loss(model: GPT) -> Callable:
+def make_loss(model: Decoder) -> Callable:
     """Mean next-token cross entropy, the logits cast to float32 (as hand-cast code does)."""
 
     def loss_fn(params, tokens: jax.Array, targets: jax.Array) -> jax.Array:
@@ -138,7 +107,7 @@ AUTOCAST = {"jamp_bf16": dict(device_type="gpu", dtype=jnp.bfloat16), "jamp_fp16
 
 def build_step(variant: str, config: Config):
     """(jitted step with params and opt_state donated, params, opt_state, tokens, targets)."""
-    model = GPT(config, jnp.bfloat16 if variant == "hand_bf16" else None)
+    model = Decoder(config, jnp.bfloat16 if variant == "hand_bf16" else None)
     loss_fn = make_loss(model)
     if variant in AUTOCAST:
         loss_fn = jamp.autocast(loss_fn, **AUTOCAST[variant])
