@@ -33,7 +33,8 @@ def count(fun, *args, primitive):
 
 def run_subprocess(code: str, *, devices: int = 8, env: dict | None = None, timeout: int = 300) -> str:
     """Run ``code`` in a fresh interpreter with ``devices`` host CPU devices; return its stdout."""
-    full_env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    full_env = {**os.environ, "XLA_FLAGS": flags,
                 "JAX_PLATFORMS": "cpu", **(env or {})}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,

@@ -88,7 +88,8 @@ def _literal_fits(call: Call, i: int, dtype) -> bool:
     if not isinstance(call.eqn.invars[i], Literal):
         return True
     value = np.asarray(call.invals[i], np.float64)
-    rounded = value.astype(dtype).astype(np.float64)
+    with np.errstate(over="ignore"):  # overflowing is what is being asked, not an event to warn about
+        rounded = value.astype(dtype).astype(np.float64)
     return not ((np.isfinite(value) & ~np.isfinite(rounded)) | ((value != 0) & (rounded == 0))).any()
 
 
