@@ -1,6 +1,6 @@
 """A character-level transformer LM on the Python standard library's own source, float32 vs float16 AMP.
 
-    python examples/char_lm.py [--steps 300]
+    python examples/char_lm.py [--steps 300] [--amp fp16|bf16|fp8]
 
 A decoder-only transformer (flax linen, the layers stacked with ``nn.scan`` over ``nn.remat`` blocks)
 learns to predict the next byte of a few stdlib modules; text every Python install carries. It trains
@@ -12,7 +12,8 @@ forward pass. Float16 is emulated on a CPU, so the AMP run gains no speed here; 
 the ones a GPU gets. The two runs' training losses differ by less than 0.01 nats at every step and their
 held-out losses by less than 0.005 nats/byte (tests/test_examples.py checks both at 60 steps; at the
 default 300 steps we measured 1.8769 and 1.8768 nats/byte). It takes about three minutes on a
-laptop CPU and prints its progress every fifth of the run.
+laptop CPU and prints its progress every fifth of the run. ``--amp bf16`` runs the same GPU op lists in
+bfloat16 and ``--amp fp8`` under the ``"fp8"`` policy (float8 matmuls), both without a loss scale.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ SEED = 0
 SOURCES = ("functools.py", "textwrap.py", "argparse.py", "dataclasses.py")  # ~215 KB of Python
 SEQ, BATCH, DIM, HEADS, LAYERS = 64, 32, 64, 4, 2
 VOCAB = 256  # bytes
+AMP = {"fp16": ("gpu", True), "bf16": ("d=gpu,c=bf16", False), "fp8": ("fp8", False)}  # --amp: policy, loss scale
 
 
 class Block(nn.Module):
@@ -131,6 +133,7 @@ def op_mix(policy: jamp.Policy, params: dict, window: np.ndarray) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="training steps per run")
+    parser.add_argument("--amp", choices=AMP, default="fp16", help="the AMP run's precision (default: fp16)")
     args = parser.parse_args()
 
     train_text, held_out = load_text()
@@ -139,21 +142,23 @@ def main() -> None:
     print(f"{len(train_text):,} training bytes from {', '.join(SOURCES)}; "
           f"{sum(x.size for x in jax.tree.leaves(params)):,} parameters")
 
-    policy = jamp.get_policy("gpu").with_rules({"*lm_head*": "float32"})
+    policy_name, loss_scaling = AMP[args.amp]
+    policy = jamp.get_policy(policy_name).with_rules({"*lm_head*": "float32"})
     amp = jamp.autocast(MODEL.apply, policy=policy)
+    amp_name = f"amp_{args.amp}"
     results, curves = {}, {}
-    for name, apply, scaling in (("float32", MODEL.apply, False), ("amp_fp16", amp, True)):
+    for name, apply, scaling in (("float32", MODEL.apply, False), (amp_name, amp, loss_scaling)):
         trained, curves[name], skipped, scale = train(name, apply, params, data, scaling)
         results[name] = (np.mean(curves[name][-20:]), evaluate(apply, trained, held_out))
         print(f"{name:>8}: train loss {curves[name][0]:.4f} -> {results[name][0]:.4f} (last 20 steps), "
               f"held-out {results[name][1]:.4f} nats/byte, {skipped} skipped steps, final loss scale {scale:g}",
               flush=True)
-    gap = np.max(np.abs(np.subtract(curves["float32"], curves["amp_fp16"])))
+    gap = np.max(np.abs(np.subtract(curves["float32"], curves[amp_name])))
     print(f"largest per-step difference of the training losses: {gap:.2e} nats")
 
     print("op mix of the AMP forward pass (jamp.explain(...).summary; the scanned block counts once):")
     op_mix(policy, params, data[0])
-    (_, ref), (_, low) = results["float32"], results["amp_fp16"]
+    (_, ref), (_, low) = results["float32"], results[amp_name]
     print(f"RESULT fp32_eval_loss={ref:.4f} amp_eval_loss={low:.4f}")
 
 

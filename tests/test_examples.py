@@ -63,11 +63,14 @@ def test_char_lm_amp_loss_tracks_float32():
     assert 0.5 < share < 1.0
 
 
-def test_char_lm_runs_a_single_step():
+def test_char_lm_runs_a_single_step_under_the_fp8_policy():
     """--steps 1 once crashed: the warm-up took the cosine decay's only step (decay_steps=0)."""
-    lines = run_example("char_lm.py", "--steps", "1")
+    lines = run_example("char_lm.py", "--steps", "1", "--amp", "fp8")
     assert [ln.split()[:3] for ln in lines if " step " in ln] == [["float32:", "step", "1/1"],
-                                                                  ["amp_fp16:", "step", "1/1"]]
+                                                                  ["amp_fp8:", "step", "1/1"]]
+    # the batched attention einsums are not 2-D contractions, so they stay bfloat16
+    mix = "dot_general by region and dtype: blocks bfloat16: 2, blocks float8_e4m3fn: 6, lm_head float32: 1"
+    assert mix in [ln.strip() for ln in lines]
     assert lines[-1].startswith("RESULT fp32_eval_loss=")
 
 
