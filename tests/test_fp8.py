@@ -267,6 +267,16 @@ def test_autocast_of_grad_runs_the_backward_dots_forward_style():
         assert g.dtype == jnp.float32 and relative_error(g, g32) < 0.1
 
 
+def test_a_grad_between_two_autocasts_is_the_autocast_of_grad_order():
+    """docs/fp8.md: a nested autocast marks its region and the outermost one applies it after JAX has
+    differentiated, so explaining ``grad(autocast(loss))`` reports the second order's e4m3 x e4m3
+    backward dots, while the function run on its own takes the cotangent in e5m2."""
+    step = jax.grad(jamp.autocast(loss, policy="fp8"))
+    assert E5M2 in str(dtypes_of(step, PARAMS, X))
+    explained = [r.ran_dtypes for r in jamp.explain(step)(PARAMS, X).rows if r.primitive == "dot_general"]
+    assert explained.count((E4M3, E4M3)) == 2 + 3 and E5M2 not in str(explained)
+
+
 def test_composes_with_scan_remat_and_vmap():
     class Block(nn.Module):
         @nn.compact
