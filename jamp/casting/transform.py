@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import _jax_compat as jc
+from jamp._arguments import checked_bool, shown
 from jamp.casting import oplists
 from jamp.casting.call import Context
 from jamp.casting.dtypes import ELIGIBLE_DTYPES, is_eligible, parse_dtype
@@ -87,12 +88,6 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _check_flag(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool (True or False), got {value!r} of type {type(value).__name__}")
-    return bool(value)
-
-
 def _check_device_type(device_type: str | None) -> str | None:
     if device_type is not None and (not isinstance(device_type, str) or device_type not in oplists.DEVICE_ALIASES):
         raise ValueError(f"device_type={device_type!r} is not supported; allowed: "
@@ -130,11 +125,6 @@ def _name(fun: Any) -> str:
     return getattr(fun, "__qualname__", None) or getattr(fun, "__name__", None) or type(fun).__name__
 
 
-def _short(value: Any, width: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
 class _TraceCount:
     """Traces of one array signature: how many, the last static values, how often each changed."""
 
@@ -163,7 +153,7 @@ def _checked_options(dtype, device_type, enabled, cache_enabled, policy) -> tupl
     if isinstance(policy, str):  # validate now; resolving the device waits for the first call
         get_policy(policy, device_type=device_type or "gpu")
     return (None if dtype is None else parse_dtype(dtype, "dtype"), _check_device_type(device_type),
-            _check_flag("enabled", enabled), _check_flag("cache_enabled", cache_enabled), policy)
+            checked_bool("enabled", enabled), checked_bool("cache_enabled", cache_enabled), policy)
 
 
 def _resolve_policy(policy_arg: Policy | str | None, device_type: str | None, dtype: Any) -> Policy:
@@ -313,11 +303,11 @@ class Autocast:
                  + [self._positional_name(i) for i in static_args] + list(static_kwargs))
         i, changed = count.changes.most_common(1)[0]
         if _hashable(values[i]):
-            why = (f"the argument {names[i]} changed {changed} times (last value {_short(values[i])}). It is static "
+            why = (f"the argument {names[i]} changed {changed} times (last value {shown(values[i])}). It is static "
                    "(part of the cache key): each new value traces and compiles again. Pass it as an array "
                    "(jnp.asarray(...)) to trace it once, as jax.jit does")
         else:
-            why = (f"the argument {names[i]} is not hashable ({_short(values[i])}), so no trace of it is cached. "
+            why = (f"the argument {names[i]} is not hashable ({shown(values[i])}), so no trace of it is cached. "
                    "Pass a hashable value (a tuple) or an array")
         warnings.warn(
             f"jamp.autocast({_name(self.fun)}) has traced the same array shapes and dtypes {count.count} times "
@@ -381,7 +371,7 @@ class Autocast:
             if not (_is_dynamic(leaf) or isinstance(leaf, _OUTPUT_SCALARS)):
                 where = f"output{jax.tree_util.keystr(path)}" if path else "its output"
                 raise TypeError(
-                    f"jamp.autocast: {_name(self.fun)} returned {type(leaf).__name__} {_short(leaf)} as {where}; "
+                    f"jamp.autocast: {_name(self.fun)} returned {type(leaf).__name__} {shown(leaf)} as {where}; "
                     "an autocast function returns what a jax.jit function can: a pytree of arrays and Python "
                     "numbers (None is an empty subtree). Return other values from a function around it.")
         return out
@@ -424,10 +414,10 @@ class AutocastSpec:
 
     def _given(self) -> str:
         """The options that differ from the defaults, as the user would write them."""
-        shown = {k: v for k, v in self._options.items() if not _same(v, _DEFAULT_OPTIONS[k])}
-        if "dtype" in shown:
-            shown["dtype"] = f"jnp.{self._dtype.name}"
-        return ", ".join(f"{k}={v if k == 'dtype' else repr(v)}" for k, v in shown.items())
+        given = {k: v for k, v in self._options.items() if not _same(v, _DEFAULT_OPTIONS[k])}
+        if "dtype" in given:
+            given["dtype"] = f"jnp.{self._dtype.name}"
+        return ", ".join(f"{k}={v if k == 'dtype' else repr(v)}" for k, v in given.items())
 
     def __enter__(self) -> None:
         if any(not _same(self._options[k], _DEFAULT_OPTIONS[k]) for k in ("static_argnums", "static_argnames")):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jamp._arguments import shown
 from jamp.scaling import exact_mul
 
 _INT32_MAX = 2**31 - 1
@@ -45,12 +46,6 @@ class DisabledScalerState(NamedTuple):
     """State of ``jamp.scaler(..., enabled=False)``: only the inner state; scale() is the identity."""
 
     inner_state: optax.OptState
-
-
-def shown(value: Any, width: int = 40) -> str:
-    """``repr(value)`` cut to ``width`` characters, so an error about ``10**400`` stays one line."""
-    text = repr(value)
-    return text if len(text) <= width else f"{text[:width - 12]}...({len(text)} chars)"
 
 
 def real(name: str, value: Any) -> float:
@@ -130,12 +125,6 @@ def checked_init_scale(init_scale: Any, hp: dict) -> np.float32:
 
 def is_scaler_state(x: Any) -> bool:
     return isinstance(x, (ScalerState, DisabledScalerState))
-
-
-def checked_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool (True or False), got {value!r} of type {type(value).__name__}")
-    return bool(value)
 
 
 def all_states(tree: Any) -> list[ScalerState | DisabledScalerState]:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 import jamp_kernels
+from jamp._arguments import checked_bool
 from jamp.scaling import rule as scale_rule
 from jamp.scaling import skip
 from jamp.scaling import state as scaler_state
@@ -122,7 +123,7 @@ def scaler(
     each group its own scaler (then each has its own scale).
     """
     inner_tx = _check_inner(() if inner is None else (inner, *more))
-    if not scaler_state.checked_bool("enabled", enabled):
+    if not checked_bool("enabled", enabled):
         return _disabled(inner_tx)
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
