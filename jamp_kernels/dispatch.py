@@ -14,8 +14,14 @@ from jamp_kernels import _leaves, pallas_triton, sharding, xla
 BACKENDS = ("auto", "xla", "pallas", "interpret")
 
 
+def _shard_local_check(check, leaves: list) -> jax.Array:
+    """``check(leaves)`` on each device's own shards, the flag OR-ed over the mesh: the XLA check slices
+    every leaf into views, and slices of a sharded leaf would make XLA's partitioner move the data."""
+    return sharding.shard_local(lambda _, local: ([], check(local)), None, leaves, writes=False)[1]
+
+
 def _xla(inv: jax.Array, *leaves: jax.Array) -> tuple[jax.Array, ...]:
-    return (*xla.unscale(list(leaves), inv), xla.has_nonfinite(list(leaves)))
+    return (*xla.unscale(list(leaves), inv), _xla_check(*leaves))
 
 
 def _pallas(inv: jax.Array, *leaves: jax.Array, interpret: bool, donate: bool) -> tuple[jax.Array, ...]:
@@ -25,14 +31,11 @@ def _pallas(inv: jax.Array, *leaves: jax.Array, interpret: bool, donate: bool) -
 
 
 def _xla_check(*leaves: jax.Array) -> jax.Array:
-    return xla.has_nonfinite(list(leaves))
+    return _shard_local_check(xla.has_nonfinite, list(leaves))
 
 
 def _pallas_check(*leaves: jax.Array, interpret: bool) -> jax.Array:
-    def kernel(_, local):
-        return [], pallas_triton.check(local, interpret=interpret)
-
-    return sharding.shard_local(kernel, None, list(leaves), writes=False)[1]
+    return _shard_local_check(functools.partial(pallas_triton.check, interpret=interpret), list(leaves))
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))
