@@ -1,5 +1,7 @@
 """unscale_and_check on one CPU device: every backend against a NumPy reference of torch's kernel."""
 
+import functools
+import re
 import subprocess
 import sys
 
@@ -9,7 +11,8 @@ import numpy as np
 import pytest
 
 import jamp_kernels
-from jamp_kernels import pallas_triton
+from jamp import _jax_compat as jc
+from jamp_kernels import pallas_triton, xla
 
 SIZES = (1, 7, 1000, 4097, 8192, 65537)  # 8192: several full blocks, no ragged tail
 DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
@@ -166,6 +169,58 @@ def test_has_nonfinite_sees_a_nan_that_xla_cpu_max_drops():
     """XLA:CPU's vectorised float32 max reduction returns 1.0 for this array, so ``~isfinite(max|g|)`` misses it."""
     g = jnp.ones(4097, jnp.float32).at[0].set(jnp.nan)
     assert jax.jit(jamp_kernels.has_nonfinite)([g])
+
+
+def _view_edges(n: int) -> set[int]:
+    """Positions where the CPU check's views of an ``n``-element leaf start, end and overlap (computed here,
+    not read from jamp_kernels.xla): ``ceil(n / 16)``-long views from SPLIT_AT on, else the largest power
+    of two <= n, the last view ending at the leaf's end."""
+    length = -(-n // xla.VIEWS_PER_LOOP) if n >= xla.SPLIT_AT else 1 << (n.bit_length() - 1)
+    edges = {0, n - 1, n - length - 1, n - length}
+    for j in range(1, -(-n // length) + 1):
+        edges |= {j * length - 1, j * length}
+    return {e for e in edges if 0 <= e < n}
+
+
+def test_cpu_check_finds_every_nonfinite_kind_at_every_view_edge():
+    """The CPU form (views summed in loops, jamp_kernels.xla) is exact wherever the inf/NaN sits: at the start,
+    end and overlap of every view, in leaves that share loops, in every half/single dtype."""
+    sizes = (1, 3, 5, 1000, 1000, 1000, xla.SPLIT_AT - 1, xla.SPLIT_AT, 16 * 4097 + 5)
+    rng = np.random.default_rng(1)
+    for dtype in DTYPES:
+        tree = [jnp.asarray(rng.standard_normal(n) * 1024, dtype) for n in sizes]
+
+        @jax.jit
+        def check(tree, leaf, position, value):
+            return jamp_kernels.has_nonfinite([jnp.where((leaf == i) & (jnp.arange(g.size) == position),
+                                                         value.astype(g.dtype), g) for i, g in enumerate(tree)],
+                                              backend="xla")
+
+        assert not check(tree, -1, 0, jnp.float32(0))
+        for i, n in enumerate(sizes):
+            positions = _view_edges(n) | set(rng.integers(0, n, 3).tolist())
+            for j, position in enumerate(sorted(positions)):
+                value = (np.nan, np.inf, -np.inf)[j % 3]
+                assert check(tree, i, position, jnp.float32(value)), (dtype, n, position, value)
+
+
+def test_cpu_check_reads_the_gradients_in_elementwise_loops():
+    """HLO facts behind the CPU check's speed: no floating-point reduction (XLA:CPU runs those on one thread
+    at a fraction of memory speed), and 1000 equal leaves share loops (two views each, 16 views a loop)."""
+    tree = [jnp.ones(1000)] * 1000 + [jnp.ones((300, 1000))]
+    hlo = jax.jit(lambda g: jamp_kernels.has_nonfinite(g, backend="xla")).lower(tree).compile().as_text()
+    assert not re.search(r"= (f16|bf16|f32|f64)\[[0-9,]*\]\S* (reduce|reduce-window)\(", hlo)  # fused bodies too
+    assert len(re.findall(r"= pred\[512\]\S* fusion\(", hlo)) == 2000 // xla.VIEWS_PER_LOOP
+
+
+def test_check_form_per_platform():
+    """CHECK_OF_PLATFORM: views sliced into loops when lowered for a CPU, a reduction per leaf for CUDA."""
+    tree = {"w": jnp.ones((300, 1000)), "b": jnp.ones(1000)}
+    fn = functools.partial(jamp_kernels.has_nonfinite, backend="xla")
+    cpu = jax.jit(fn).lower(tree).as_text()
+    cuda = jc.lower_for_cuda(fn, tree).as_text()
+    assert "stablehlo.slice" in cpu and "stablehlo.reduce" in cpu
+    assert "stablehlo.slice" not in cuda and cuda.count("stablehlo.reduce(") + cuda.count("stablehlo.reduce ") >= 2
 
 
 def test_bad_arguments_are_named():
