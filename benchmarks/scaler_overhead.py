@@ -1,21 +1,35 @@
 """Cost of skip-on-overflow: jamp.scaler(adam) against a bare Adam step and the peers' patterns.
 
-50M float32 parameters in 50 leaves (``--small``: 5M in 50), Adam, ``jax.jit`` with params and optimizer
-state donated. Every variant starts from grads scaled by 1024 and unscales them, so the bare step is
-Adam with the unscale fused in (the floor). Steps are timed in interleaved rounds (each round times
-every variant once) and the median is reported, so machine-load drift hits all variants alike.
+Four parameter trees (float32, Adam, ``jax.jit`` with params and optimizer state donated):
 
-    python benchmarks/scaler_overhead.py [--small] [--rounds 9]
+  GPT-2 small        the real tree of GPT-2 small: 124M parameters in 148 leaves (wte 50257x768, wpe
+                     1024x768, 12 blocks of LayerNorm vectors, attention 768x2304 + 768x768, MLP
+                     768x3072 + 3072x768 and their biases, ln_f)
+  50 x 1000x1000     50M parameters in 50 equal matrices
+  50 x 1M (1-D)      50M parameters in 50 equal vectors: bare Adam runs at memory speed here
+  1000 biases        1000 vectors of 1000 beside four 2048x2048 and two 4096x1024 matrices (26M)
 
-``jamp.scaler(adam)`` is the default (backend "auto", the skip form the platform's entry in
-``jamp.scaling.skip.FORM_OF_PLATFORM`` names); the two rows below it force each skip form, so both are
-measured on every platform. On a GPU a second table gives what a ``jax.profiler`` trace shows per step:
-kernels launched, their device time, the span from first to last kernel, and the costliest ops.
+    python benchmarks/scaler_overhead.py [--trees gpt2,matrices,vectors,biases] [--rounds 9] [--small]
+
+Every variant starts from grads scaled by 1024 and unscales them, so the bare step is Adam with the
+unscale fused in (the floor). Each variant is timed on a finite step and on an overflowing ("skipped")
+step, in interleaved rounds (each round times every variant once); the ratio to bare Adam is taken
+within each round and its median reported, with the rounds' interquartile range, so drifting machine
+load hits all variants alike. A summary table ends the run: one row per tree, as in issue 23.
+
+``jamp.scaler(adam)`` is the default (backend "auto"; the check form and the skip form that the platform's
+entries in ``jamp_kernels.xla.CHECK_OF_PLATFORM`` and ``jamp.scaling.skip.FORM_OF_PLATFORM`` name); the
+rows below it force each form, so every form is measured on every platform. On a GPU a second table per
+tree gives what a ``jax.profiler`` trace shows per step: kernels launched, their device time, the span
+from first to last kernel, and the costliest ops.
 
 Peers, written inline (no jmp/flax import needed):
   optax.apply_if_finite   unscale by tree_map, then optax's isfinite + lax.cond around Adam
   jmp                     all_finite(grads) then select_tree(finite, new, old) over params and state
   flax DynamicScale       is_fin from the grads, then jnp.where(is_fin, new, old) over params and state
+
+Variants that share a state structure share one set of buffers (each step donates them to the next), so
+the 124M-parameter tree needs three copies of params and moments, not one per variant.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +48,48 @@ from device_profile import profile
 
 import jamp
 from jamp.scaling import skip
+from jamp_kernels import dispatch, xla
 
 SCALE = 1024.0
+
+
+def gpt2_small(vocab: int = 50257, layers: int = 12, d: int = 768) -> dict:
+    """GPT-2 small's parameter shapes under the Hugging Face names (flax layout)."""
+    def dense(n_in, n_out):
+        return {"kernel": (n_in, n_out), "bias": (n_out,)}
+
+    def norm():
+        return {"scale": (d,), "bias": (d,)}
+
+    block = {"ln_1": norm(), "attn": {"c_attn": dense(d, 3 * d), "c_proj": dense(d, d)},
+             "ln_2": norm(), "mlp": {"c_fc": dense(d, 4 * d), "c_proj": dense(4 * d, d)}}
+    return {"wte": (vocab, d), "wpe": (1024, d), "h": {str(i): block for i in range(layers)}, "ln_f": norm()}
+
+
+class Tree(NamedTuple):
+    title: str
+    shapes: Callable[[bool], object]  # small -> pytree of shapes
+
+
+TREES = {
+    "gpt2": Tree("GPT-2 small (124M params, 148 leaves)",
+                 lambda small: gpt2_small(vocab=5000, layers=2) if small else gpt2_small()),
+    "matrices": Tree("50 x 1000x1000", lambda small: [(100 if small else 1000, 1000)] * 50),
+    "vectors": Tree("50 x 1M (1-D)", lambda small: [(100_000 if small else 1_000_000,)] * 50),
+    "biases": Tree("1000 biases of 1000 + 6 matrices (26M)",
+                   lambda small: [(1000,)] * 1000 + [(512 if small else 2048, 2048)] * 4
+                   + [(1024 if small else 4096, 1024)] * 2),
+}
+
+
+def is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, int) for n in x)
+
+
+def make(shapes, key):
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=is_shape)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(treedef, [jax.random.normal(k, s) for k, s in zip(keys, leaves)])
 
 
 def all_finite(tree) -> jax.Array:
@@ -50,32 +105,39 @@ def bare(adam):
         updates, state = adam.update(unscale(grads), state, params)
         return optax.apply_updates(params, updates), state
 
-    return adam.init, step
+    return "adam", adam.init, step
 
 
-def jamp_scaler(adam, backend="auto", form=None):
-    """``form`` forces one skip form (patched while the step is traced) instead of the platform's."""
+def jamp_scaler(adam, backend="auto", form=None, check=None):
+    """``form`` / ``check`` force one skip form / check form (patched while the step is traced)."""
     tx = jamp.scaler(adam, init_scale=SCALE, backend=backend)
 
     def step(params, state, grads):
-        with forced_form(form):
+        with forced(skip, "FORM_OF_PLATFORM", form), forced(xla, "CHECK_OF_PLATFORM", check):
             updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    return tx.init, step
+    return "jamp", tx.init, step
 
 
 @contextlib.contextmanager
-def forced_form(form):
-    if form is None:
+def forced(module, table: str, name: str | None):
+    """Replace ``module.<table>`` (a platform -> implementation table) by ``{"default": module.<name>}``.
+
+    The check runs inside a jitted helper whose trace is cached per input shapes: its cache is cleared on
+    the way in and out, so the forced table is traced and the next variant gets the real one again.
+    """
+    if name is None:
         yield
         return
-    saved = skip.FORM_OF_PLATFORM
-    skip.FORM_OF_PLATFORM = {"default": getattr(skip, form)}
+    saved = getattr(module, table)
+    setattr(module, table, {"default": getattr(module, name)})
+    dispatch._check.clear_cache()
     try:
         yield
     finally:
-        skip.FORM_OF_PLATFORM = saved
+        setattr(module, table, saved)
+        dispatch._check.clear_cache()
 
 
 def apply_if_finite(adam):
@@ -85,7 +147,7 @@ def apply_if_finite(adam):
         updates, state = tx.update(unscale(grads), state, params)
         return optax.apply_updates(params, updates), state
 
-    return tx.init, step
+    return "apply_if_finite", tx.init, step
 
 
 def jmp_select_tree(adam):
@@ -94,12 +156,13 @@ def jmp_select_tree(adam):
         finite = all_finite(grads)
         updates, new_state = adam.update(grads, state, params)
         new_params = optax.apply_updates(params, updates)
+
         def select(new, old):
             return jax.tree.map(lambda x, y: jax.lax.select(finite, x, y), new, old)
 
         return select(new_params, params), select(new_state, state)
 
-    return adam.init, step
+    return "adam", adam.init, step
 
 
 def flax_dynamic_scale(adam):
@@ -110,17 +173,20 @@ def flax_dynamic_scale(adam):
             is_fin &= jnp.all(jax.lax.is_finite(g))
         updates, new_state = adam.update(grads, state, params)
         new_params = optax.apply_updates(params, updates)
+
         def where(new, old):
             return jax.tree.map(lambda x, y: jnp.where(is_fin, x, y), new, old)
 
         return where(new_params, params), where(new_state, state)
 
-    return adam.init, step
+    return "adam", adam.init, step
 
 
 VARIANTS: dict[str, Callable] = {
     "bare Adam": bare,
     "jamp.scaler(adam)": jamp_scaler,
+    "  check form _folded (views in loops)": lambda adam: jamp_scaler(adam, backend="xla", check="_folded"),
+    "  check form _reduced (a reduction per leaf)": lambda adam: jamp_scaler(adam, backend="xla", check="_reduced"),
     "  skip form select_where_produced": lambda adam: jamp_scaler(adam, form="select_where_produced"),
     "  skip form select_after": lambda adam: jamp_scaler(adam, form="select_after"),
     "  check backend xla": lambda adam: jamp_scaler(adam, backend="xla"),
@@ -128,70 +194,108 @@ VARIANTS: dict[str, Callable] = {
     "jmp all_finite+select_tree": jmp_select_tree,
     "flax DynamicScale where": flax_dynamic_scale,
 }
+PEERS = ("optax.apply_if_finite", "jmp all_finite+select_tree", "flax DynamicScale where")
+KINDS = ("step", "skipped step")
 
 
-def timed(step, params, state, grads):
+def timed(run: dict, buffers: dict, grads) -> float:
+    """One step of ``run`` on its state group's buffers (donated, replaced by the step's outputs)."""
+    group = run["group"]
     t0 = time.perf_counter()
-    params, state = jax.block_until_ready(step(params, state, grads))
-    return time.perf_counter() - t0, params, state
+    buffers[group] = jax.block_until_ready(run["step"](*buffers[group], grads))
+    return time.perf_counter() - t0
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0],) * 3
+    return q1, statistics.median(xs), q3
+
+
+def measure(tree: Tree, names: list[str], rounds: int, small: bool) -> dict:
+    """{variant: {kind: (median ms, ratio quartiles)}} for ``tree``; also prints the tree's tables."""
+    key = jax.random.key(0)
+    shapes = tree.shapes(small)
+    grads = jax.tree.map(lambda g: g * SCALE, make(shapes, jax.random.fold_in(key, 1)))
+    leaves, treedef = jax.tree.flatten(grads)
+    bad = jax.tree.unflatten(treedef, [leaves[0].at[(3,) * leaves[0].ndim].set(jnp.inf), *leaves[1:]])
+    adam = optax.adam(1e-3)
+
+    runs, buffers = {}, {}
+    for name in names:
+        group, init, step = VARIANTS[name](adam)
+        runs[name] = {"group": group, "step": jax.jit(step, donate_argnums=(0, 1))}
+        if group not in buffers:
+            params = make(shapes, key)
+            buffers[group] = (params, init(params))
+    kinds = {"step": grads, "skipped step": bad}
+    skips = {name: name != "bare Adam" for name in names}  # bare Adam would apply the inf: not timed on it
+    for name, run in runs.items():  # compile and warm up, finite and overflowing
+        for g in (grads, grads) + ((bad,) if skips[name] else ()):
+            timed(run, buffers, g)
+
+    times = {name: {kind: [] for kind in KINDS} for name in runs}
+    for _ in range(rounds):
+        for kind in KINDS:
+            for name, run in runs.items():
+                if kind == "step" or skips[name]:
+                    times[name][kind].append(timed(run, buffers, kinds[kind]) * 1e3)
+    floor = times["bare Adam"]["step"]
+    result = {name: {kind: (statistics.median(t), quartiles([a / b for a, b in zip(t, floor)]))
+                     for kind, t in per_kind.items() if t} for name, per_kind in times.items()}
+
+    n_params = sum(x.size for x in leaves)
+    print(f"\n{tree.title}{' (--small)' if small else ''}: {n_params / 1e6:.1f}M float32 params in {len(leaves)} "
+          f"leaves, Adam, jit + donation, {rounds} interleaved rounds, {jax.devices()[0].device_kind}")
+    print("| variant | step ms | / bare Adam (IQR) | skipped step ms | / bare Adam (IQR) |")
+    print("|---|---|---|---|---|")
+    for name, r in result.items():
+        cells = [f"{r[k][0]:.2f} | {fmt(r[k][1])}" if k in r else "- | applies the inf" for k in KINDS]
+        print(f"| {name} | {' | '.join(cells)} |")
+    device_view(runs, buffers, grads)
+    return result
+
+
+def fmt(q: tuple[float, float, float]) -> str:
+    return f"{q[1]:.2f} ({q[0]:.2f}-{q[2]:.2f})"
+
+
+def device_view(runs: dict, buffers: dict, grads) -> None:
+    profiles = {name: profile(lambda run=run: timed(run, buffers, grads)) for name, run in runs.items()}
+    if any(p is None for p in profiles.values()):
+        return
+    base = profiles["bare Adam"]
+    print("\nDevice view (jax.profiler trace, per finite step):")
+    print("| variant | kernels | device ms | / bare | span ms | / bare | costliest ops |")
+    print("|---|---|---|---|---|---|---|")
+    for name, p in profiles.items():
+        print(f"| {name} | {p.launches:g} | {p.device_ms:.3f} | {p.device_ms / base.device_ms:.2f} | "
+              f"{p.span_ms:.3f} | {p.span_ms / base.span_ms:.2f} | {p.top(6)} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--small", action="store_true", help="5M parameters instead of 50M (a quick run)")
-    ap.add_argument("--rounds", type=int, default=9, help="timed steps per variant (median reported)")
+    ap.add_argument("--trees", default=",".join(TREES), help=f"comma-separated, from {', '.join(TREES)}")
+    ap.add_argument("--rounds", type=int, default=9, help="timed steps per variant and kind (median reported)")
+    ap.add_argument("--small", action="store_true", help="every tree at about a tenth of its size (a quick run)")
+    ap.add_argument("--variants", default=None, help="comma-separated subset of the variants (bare Adam is always run)")
     args = ap.parse_args()
-    n_leaves, per_leaf = 50, (100_000 if args.small else 1_000_000)
-    key = jax.random.key(0)
+    trees = args.trees.split(",")
+    if unknown := set(trees) - set(TREES):
+        ap.error(f"--trees: unknown {sorted(unknown)}; choose from {', '.join(TREES)}")
+    names = list(VARIANTS) if args.variants is None else \
+        ["bare Adam", *[n for n in VARIANTS if n.strip() in {v.strip() for v in args.variants.split(",")}]]
+    results = {key: measure(TREES[key], names, args.rounds, args.small) for key in trees}
 
-    def make(k):
-        return [jax.random.normal(kk, (per_leaf // 1000, 1000)) for kk in jax.random.split(k, n_leaves)]
-
-    grads = [g * SCALE for g in make(jax.random.fold_in(key, 1))]
-    bad = [grads[0].at[3, 7].set(jnp.inf)] + grads[1:]
-    adam = optax.adam(1e-3)
-
-    runs = {}
-    for name, variant in VARIANTS.items():
-        init, step = variant(adam)
-        params = make(key)
-        runs[name] = [jax.jit(step, donate_argnums=(0, 1)), params, init(params)]
-    for run in runs.values():  # compile and warm up, finite and overflowing
-        for g in (grads, grads, bad):
-            _, run[1], run[2] = timed(run[0], run[1], run[2], g)
-
-    times = {name: {"step": [], "skipped step": []} for name in runs}
-    for _ in range(args.rounds):
-        for kind, g in (("step", grads), ("skipped step", bad)):
-            for name, run in runs.items():
-                dt, run[1], run[2] = timed(run[0], run[1], run[2], g)
-                times[name][kind].append(dt * 1e3)
-
-    med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
-    floor = med["bare Adam"]["step"]
-    n_params = n_leaves * per_leaf
-    print(f"{n_params / 1e6:.0f}M float32 params in {n_leaves} leaves, Adam, jit + donation, "
-          f"median of {args.rounds} interleaved steps, {jax.devices()[0].device_kind}")
-    print("| variant | step ms | / bare Adam | skipped step ms | / bare Adam |")
-    print("|---|---|---|---|---|")
-    for name, m in med.items():
-        skipped = "no skip (inf applied)" if name == "bare Adam" else f"{m['skipped step']:.2f}"
-        skipped_ratio = "-" if name == "bare Adam" else f"{m['skipped step'] / floor:.2f}"
-        print(f"| {name} | {m['step']:.2f} | {m['step'] / floor:.2f} | {skipped} | {skipped_ratio} |")
-
-    profiles = {}
-    for name, run in runs.items():
-        def one_step(run=run):
-            _, run[1], run[2] = timed(run[0], run[1], run[2], grads)
-        profiles[name] = profile(one_step)
-    if all(p is not None for p in profiles.values()):
-        base = profiles["bare Adam"]
-        print("\nDevice view (jax.profiler trace, per finite step):")
-        print("| variant | kernels | device ms | / bare | span ms | / bare | costliest ops |")
-        print("|---|---|---|---|---|---|---|")
-        for name, p in profiles.items():
-            print(f"| {name} | {p.launches:g} | {p.device_ms:.3f} | {p.device_ms / base.device_ms:.2f} | "
-                  f"{p.span_ms:.3f} | {p.span_ms / base.span_ms:.2f} | {p.top(6)} |")
+    print("\nSummary (ratios to bare Adam's finite step, median of the rounds, interquartile range):")
+    print("| parameter tree | bare Adam ms | jamp.scaler(adam) ms | step | skipped step | best peer |")
+    print("|---|---|---|---|---|---|")
+    for key, result in results.items():
+        jamp_row, floor = result.get("jamp.scaler(adam)"), result["bare Adam"]["step"][0]
+        peers = [(result[p]["step"][1][1], p) for p in PEERS if p in result]
+        best = f"{min(peers)[1]} {min(peers)[0]:.2f}" if peers else "-"
+        if jamp_row:
+            print(f"| {TREES[key].title} | {floor:.1f} | {jamp_row['step'][0]:.1f} | {fmt(jamp_row['step'][1])} | "
+                  f"{fmt(jamp_row['skipped step'][1])} | {best} |")
 
 
 if __name__ == "__main__":
