@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jamp
+from jamp.scaling import skip
 
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.arange(4.0)}
 GRADS = {"w": jnp.cos(jnp.arange(12.0)).reshape(3, 4), "b": jnp.ones(4)}
@@ -86,8 +87,6 @@ def test_inner_that_changes_its_state_dtype_is_rejected():
 @pytest.fixture(params=["select_where_produced", "select_after"])
 def skip_form(request, monkeypatch):
     """Run the scaler with each skip form on this platform (each platform picks one by default)."""
-    from jamp.scaling import skip
-
     monkeypatch.setattr(skip, "FORM_OF_PLATFORM", {"default": getattr(skip, request.param)})
     return request.param
 
@@ -112,6 +111,29 @@ def test_the_discarded_update_never_sees_inf_or_nan(skip_form):
     for grads in (GRADS, BAD, jax.tree.map(lambda g: g * jnp.inf, GRADS)):
         jax.block_until_ready(jax.jit(tx.update)(grads, state, PARAMS))
     assert seen == [True, True, True]
+
+
+def _depends_on_first_input(jaxpr) -> set:
+    """Variables of a (flat) jaxpr that its first input reaches."""
+    reached = {jaxpr.invars[0]}
+    for eqn in jaxpr.eqns:
+        if any(v in reached for v in eqn.invars if not hasattr(v, "val")):
+            reached.update(eqn.outvars)
+    return reached
+
+
+def test_moments_are_read_selected_and_the_step_count_as_computed():
+    """select_where_produced: the parameter update reads Adam's moments selected (each moment loop writes in
+    place, nothing is copied), and the bias correction reads the count as computed, so it does not wait
+    for the finite check (jamp/scaling/skip.py says what that wait cost on XLA:CPU)."""
+    adam = optax.adam(1e-2)
+    closed = jax.make_jaxpr(lambda found_inf, g, s, p: skip.select_where_produced(adam.update, found_inf, g, s, p, {}))(
+        True, GRADS, adam.init(PARAMS), PARAMS)
+    reached = _depends_on_first_input(closed.jaxpr)
+    pows = [e for e in closed.jaxpr.eqns if e.primitive.name == "pow"]
+    assert len(pows) == 2 and not any(e.outvars[0] in reached for e in pows)
+    divs = [e for e in closed.jaxpr.eqns if e.primitive.name == "div" and e.outvars[0].aval.ndim]
+    assert len(divs) == 6 and all(e.invars[0] in reached for e in divs)  # mu_hat, nu_hat, mu_hat / sqrt(nu_hat)
 
 
 DECOMPOSING = {
