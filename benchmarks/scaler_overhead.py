@@ -198,9 +198,25 @@ PEERS = ("optax.apply_if_finite", "jmp all_finite+select_tree", "flax DynamicSca
 KINDS = ("step", "skipped step")
 
 
-def timed(run: dict, buffers: dict, grads) -> float:
-    """One step of ``run`` on its state group's buffers (donated, replaced by the step's outputs)."""
+class CacheFlush:
+    """Evicts the CPU caches before each timed step by rewriting a buffer larger than any last-level cache
+    (1 GiB; this machine's L3 is 480 MiB). Without it a variant would find the parameters and moments the
+    previous variant just wrote still cached, and its time would depend on its place in the round; in a
+    training step the optimizer state is cold (the backward pass ran since it was last touched)."""
+
+    def __init__(self, nbytes: int = 1 << 30):
+        self.buffer = jnp.zeros(nbytes // 4, jnp.float32)
+        self.rewrite = jax.jit(lambda x: x + 1, donate_argnums=0)
+
+    def __call__(self) -> None:
+        self.buffer = jax.block_until_ready(self.rewrite(self.buffer))
+
+
+def timed(run: dict, buffers: dict, grads, flush: CacheFlush) -> float:
+    """One step of ``run`` on its state group's buffers (donated, replaced by the step's outputs), from
+    cold caches."""
     group = run["group"]
+    flush()
     t0 = time.perf_counter()
     buffers[group] = jax.block_until_ready(run["step"](*buffers[group], grads))
     return time.perf_counter() - t0
@@ -228,17 +244,18 @@ def measure(tree: Tree, names: list[str], rounds: int, small: bool) -> dict:
             params = make(shapes, key)
             buffers[group] = (params, init(params))
     kinds = {"step": grads, "skipped step": bad}
+    flush = CacheFlush()
     skips = {name: name != "bare Adam" for name in names}  # bare Adam would apply the inf: not timed on it
     for name, run in runs.items():  # compile and warm up, finite and overflowing
         for g in (grads, grads) + ((bad,) if skips[name] else ()):
-            timed(run, buffers, g)
+            timed(run, buffers, g, flush)
 
     times = {name: {kind: [] for kind in KINDS} for name in runs}
     for _ in range(rounds):
         for kind in KINDS:
             for name, run in runs.items():
                 if kind == "step" or skips[name]:
-                    times[name][kind].append(timed(run, buffers, kinds[kind]) * 1e3)
+                    times[name][kind].append(timed(run, buffers, kinds[kind], flush) * 1e3)
     floor = times["bare Adam"]["step"]
     result = {name: {kind: (statistics.median(t), quartiles([a / b for a, b in zip(t, floor)]))
                      for kind, t in per_kind.items() if t} for name, per_kind in times.items()}
@@ -251,7 +268,7 @@ def measure(tree: Tree, names: list[str], rounds: int, small: bool) -> dict:
     for name, r in result.items():
         cells = [f"{r[k][0]:.2f} | {fmt(r[k][1])}" if k in r else "- | applies the inf" for k in KINDS]
         print(f"| {name} | {' | '.join(cells)} |")
-    device_view(runs, buffers, grads)
+    device_view(runs, buffers, grads, flush)
     return result
 
 
@@ -259,8 +276,8 @@ def fmt(q: tuple[float, float, float]) -> str:
     return f"{q[1]:.2f} ({q[0]:.2f}-{q[2]:.2f})"
 
 
-def device_view(runs: dict, buffers: dict, grads) -> None:
-    profiles = {name: profile(lambda run=run: timed(run, buffers, grads)) for name, run in runs.items()}
+def device_view(runs: dict, buffers: dict, grads, flush: CacheFlush) -> None:
+    profiles = {name: profile(lambda run=run: timed(run, buffers, grads, flush)) for name, run in runs.items()}
     if any(p is None for p in profiles.values()):
         return
     base = profiles["bare Adam"]

@@ -55,8 +55,9 @@ def has_nonfinite(grads: Any, *, backend: str = "auto") -> jax.Array:
     """Scalar bool: any inf/NaN in any floating leaf of ``grads``, exact (see :func:`xla.has_nonfinite`).
 
     ``backend="auto"`` reads the leaves with one Pallas kernel launch on CUDA (a launch per leaf costs more
-    than the reading on a GPU) and lets XLA fuse the reductions elsewhere; "xla", "pallas", "interpret" as
-    for :func:`unscale_and_check`.
+    than the reading on a GPU) and with XLA elsewhere, in the form ``xla.CHECK_OF_PLATFORM`` picks
+    (elementwise loops over views of the leaves on a CPU); "xla", "pallas", "interpret" as for
+    :func:`unscale_and_check`. Sharded leaves are read shard by shard and the flag OR-ed over the mesh.
     """
     _check_backend(backend)
     leaves, _ = _leaves.flatten(grads)

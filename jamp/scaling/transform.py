@@ -112,8 +112,9 @@ def scaler(
     with ``jamp.scale(loss, opt_state)`` or ``jamp.value_and_grad``.
 
     ``backend`` picks the finite check (``jamp_kernels.has_nonfinite``): "auto" (one Pallas kernel launch over
-    all leaves on CUDA, XLA's fused reductions elsewhere), "xla", "pallas", "interpret"; the unscale is plain
-    jnp that XLA fuses into ``inner``. The skip is a select, not a ``lax.cond``, in the form that is fastest
+    all leaves on CUDA, XLA elsewhere: on a CPU elementwise loops over views of the gradients, see
+    ``jamp_kernels.xla.CHECK_OF_PLATFORM``), "xla", "pallas", "interpret"; the unscale is plain jnp that XLA
+    fuses into ``inner``. The skip is a select, not a ``lax.cond``, in the form that is fastest
     on the platform the step is lowered for (see :mod:`jamp.scaling.skip`).
     ``min_scale``/``max_scale`` are extras beyond torch, off by default. ``enabled=False`` applies ``inner``
     on every step, validates nothing but ``inner``, and makes ``jamp.scale`` the identity.
