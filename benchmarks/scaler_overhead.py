@@ -195,30 +195,40 @@ VARIANTS: dict[str, Callable] = {
     "flax DynamicScale where": flax_dynamic_scale,
 }
 PEERS = ("optax.apply_if_finite", "jmp all_finite+select_tree", "flax DynamicScale where")
-KINDS = ("step", "skipped step")
+KINDS = {  # what is timed -> (gradients, state of the CPU caches when the step starts)
+    "step": ("finite", "fresh"),
+    "skipped step": ("overflow", "fresh"),
+    "step, cold caches": ("finite", "cold"),
+}
 
 
-class CacheFlush:
-    """Evicts the CPU caches before each timed step by rewriting a buffer larger than any last-level cache
-    (1 GiB; this machine's L3 is 480 MiB). Without it a variant would find the parameters and moments the
-    previous variant just wrote still cached, and its time would depend on its place in the round; in a
-    training step the optimizer state is cold (the backward pass ran since it was last touched)."""
+class Caches:
+    """Puts the CPU caches in a known state before each timed step. ``cold``: a 1 GiB buffer (more than any
+    last-level cache; this machine's L3 is 480 MiB) is rewritten, so parameters, moments and gradients
+    all come from memory. ``fresh``: the same, then the gradients are rewritten in place (times a runtime
+    1.0, bit for bit), so they sit in the caches as far as they fit, as a backward pass leaves them, while
+    parameters and moments are cold (a training step touched much else since the last update). Without
+    this a variant would find what the previous variant just wrote still cached."""
 
     def __init__(self, nbytes: int = 1 << 30):
         self.buffer = jnp.zeros(nbytes // 4, jnp.float32)
-        self.rewrite = jax.jit(lambda x: x + 1, donate_argnums=0)
+        self.bump = jax.jit(lambda x: x + 1, donate_argnums=0)
+        self.rewrite = jax.jit(lambda g, one: jax.tree.map(lambda x: x * one, g), donate_argnums=0)
 
-    def __call__(self) -> None:
-        self.buffer = jax.block_until_ready(self.rewrite(self.buffer))
+    def prepare(self, condition: str, grads):
+        self.buffer = jax.block_until_ready(self.bump(self.buffer))
+        if condition == "fresh":
+            grads = jax.block_until_ready(self.rewrite(grads, jnp.float32(1.0)))
+        return grads
 
 
-def timed(run: dict, buffers: dict, grads, flush: CacheFlush) -> float:
-    """One step of ``run`` on its state group's buffers (donated, replaced by the step's outputs), from
-    cold caches."""
+def timed(run: dict, buffers: dict, grads: dict, kind: str, caches: Caches) -> float:
+    """One step of ``run`` on its state group's buffers (donated, replaced by the step's outputs)."""
+    which, condition = KINDS[kind]
+    grads[which] = caches.prepare(condition, grads[which])
     group = run["group"]
-    flush()
     t0 = time.perf_counter()
-    buffers[group] = jax.block_until_ready(run["step"](*buffers[group], grads))
+    buffers[group] = jax.block_until_ready(run["step"](*buffers[group], grads[which]))
     return time.perf_counter() - t0
 
 
@@ -231,9 +241,11 @@ def measure(tree: Tree, names: list[str], rounds: int, small: bool) -> dict:
     """{variant: {kind: (median ms, ratio quartiles)}} for ``tree``; also prints the tree's tables."""
     key = jax.random.key(0)
     shapes = tree.shapes(small)
-    grads = jax.tree.map(lambda g: g * SCALE, make(shapes, jax.random.fold_in(key, 1)))
-    leaves, treedef = jax.tree.flatten(grads)
-    bad = jax.tree.unflatten(treedef, [leaves[0].at[(3,) * leaves[0].ndim].set(jnp.inf), *leaves[1:]])
+    finite = jax.tree.map(lambda g: g * SCALE, make(shapes, jax.random.fold_in(key, 1)))
+    leaves, treedef = jax.tree.flatten(finite)
+    overflow = jax.tree.unflatten(treedef, [leaves[0].at[(3,) * leaves[0].ndim].set(jnp.inf),
+                                            *map(jnp.copy, leaves[1:])])  # own buffers: rewritten in place
+    grads = {"finite": finite, "overflow": overflow}
     adam = optax.adam(1e-3)
 
     runs, buffers = {}, {}
@@ -243,41 +255,47 @@ def measure(tree: Tree, names: list[str], rounds: int, small: bool) -> dict:
         if group not in buffers:
             params = make(shapes, key)
             buffers[group] = (params, init(params))
-    kinds = {"step": grads, "skipped step": bad}
-    flush = CacheFlush()
-    skips = {name: name != "bare Adam" for name in names}  # bare Adam would apply the inf: not timed on it
-    for name, run in runs.items():  # compile and warm up, finite and overflowing
-        for g in (grads, grads) + ((bad,) if skips[name] else ()):
-            timed(run, buffers, g, flush)
+    caches = Caches()
+    # bare Adam applies the inf of an overflowing step: timed on finite steps only
+    kinds = {name: [k for k in KINDS if name != "bare Adam" or KINDS[k][0] == "finite"] for name in names}
+    for name, run in runs.items():  # compile and warm up
+        for kind in ["step", *kinds[name]]:
+            timed(run, buffers, grads, kind, caches)
 
-    times = {name: {kind: [] for kind in KINDS} for name in runs}
+    times: dict = {name: {kind: [] for kind in kinds[name]} for name in runs}
     for _ in range(rounds):
         for kind in KINDS:
             for name, run in runs.items():
-                if kind == "step" or skips[name]:
-                    times[name][kind].append(timed(run, buffers, kinds[kind], flush) * 1e3)
-    floor = times["bare Adam"]["step"]
-    result = {name: {kind: (statistics.median(t), quartiles([a / b for a, b in zip(t, floor)]))
-                     for kind, t in per_kind.items() if t} for name, per_kind in times.items()}
+                if kind in kinds[name]:
+                    times[name][kind].append(timed(run, buffers, grads, kind, caches) * 1e3)
+    floor = times["bare Adam"]
+    result = {name: {kind: (statistics.median(t), quartiles([a / b for a, b in zip(t, floor[f"step{cold(kind)}"])]))
+                     for kind, t in per_kind.items()} for name, per_kind in times.items()}
 
     n_params = sum(x.size for x in leaves)
     print(f"\n{tree.title}{' (--small)' if small else ''}: {n_params / 1e6:.1f}M float32 params in {len(leaves)} "
           f"leaves, Adam, jit + donation, {rounds} interleaved rounds, {jax.devices()[0].device_kind}")
-    print("| variant | step ms | / bare Adam (IQR) | skipped step ms | / bare Adam (IQR) |")
-    print("|---|---|---|---|---|")
+    print("Each ratio is to bare Adam's finite step under the same cache condition (see Caches).")
+    print("| variant | " + " | ".join(f"{k} ms | / bare Adam (IQR)" for k in KINDS) + " |")
+    print("|---" * (1 + 2 * len(KINDS)) + "|")
     for name, r in result.items():
         cells = [f"{r[k][0]:.2f} | {fmt(r[k][1])}" if k in r else "- | applies the inf" for k in KINDS]
         print(f"| {name} | {' | '.join(cells)} |")
-    device_view(runs, buffers, grads, flush)
+    device_view(runs, buffers, grads, caches)
+    result["size"] = f"{n_params / 1e6:.1f}M params, {len(leaves)} leaves"
     return result
+
+
+def cold(kind: str) -> str:
+    return ", cold caches" if KINDS[kind][1] == "cold" else ""
 
 
 def fmt(q: tuple[float, float, float]) -> str:
     return f"{q[1]:.2f} ({q[0]:.2f}-{q[2]:.2f})"
 
 
-def device_view(runs: dict, buffers: dict, grads, flush: CacheFlush) -> None:
-    profiles = {name: profile(lambda run=run: timed(run, buffers, grads, flush)) for name, run in runs.items()}
+def device_view(runs: dict, buffers: dict, grads: dict, caches: Caches) -> None:
+    profiles = {name: profile(lambda run=run: timed(run, buffers, grads, "step", caches)) for name, run in runs.items()}
     if any(p is None for p in profiles.values()):
         return
     base = profiles["bare Adam"]
@@ -304,16 +322,16 @@ def main() -> None:
     results = {key: measure(TREES[key], names, args.rounds, args.small) for key in trees}
 
     print("\nSummary (ratios to bare Adam's finite step, median of the rounds, interquartile range):")
-    print("| parameter tree | bare Adam ms | jamp.scaler(adam) ms | step | skipped step | best peer |")
-    print("|---|---|---|---|---|---|")
+    print("| parameter tree | bare Adam ms | jamp.scaler(adam) ms | " + " | ".join(KINDS) + " | best peer (step) |")
+    print("|---" * (4 + len(KINDS)) + "|")
     for key, result in results.items():
         jamp_row, floor = result.get("jamp.scaler(adam)"), result["bare Adam"]["step"][0]
         peers = [(result[p]["step"][1][1], p) for p in PEERS if p in result]
         best = f"{min(peers)[1]} {min(peers)[0]:.2f}" if peers else "-"
         if jamp_row:
-            print(f"| {TREES[key].title} | {floor:.1f} | {jamp_row['step'][0]:.1f} | {fmt(jamp_row['step'][1])} | "
-                  f"{fmt(jamp_row['skipped step'][1])} | {best} |")
-
+            title = f"{TREES[key].title} ({result['size']})" if args.small else TREES[key].title
+            print(f"| {title} | {floor:.1f} | {jamp_row['step'][0]:.1f} | "
+                  + " | ".join(fmt(jamp_row[k][1]) for k in KINDS) + f" | {best} |")
 
 if __name__ == "__main__":
     main()
