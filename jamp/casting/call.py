@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import _jax_compat as jc
-from jamp.casting import regions
-from jamp.casting.dtypes import is_eligible
+from jamp.casting import accumulation, regions
+from jamp.casting.dtypes import FLOAT32, is_eligible, is_low
 from jamp.casting.policy import Policy
 
 MATMUL_LIKE = ("dot_general", "conv_general_dilated", "ragged_dot_general")
@@ -101,7 +101,16 @@ class Call:
         return self.eqn.params
 
     def bind(self, invals=None, **param_updates):
-        return self.bind_with(self.invals if invals is None else invals, {**self.eqn.params, **param_updates})
+        """Bind with these inputs; an op that would sum many float16/bfloat16 elements, in its result or
+        in its transpose, runs on float32 and rounds once to that dtype (:mod:`jamp.casting.accumulation`)."""
+        invals = accumulation.broadcast_in_float32(self.eqn, self.invals if invals is None else invals)
+        params = {**self.eqn.params, **param_updates}
+        low = accumulation.widened_dtype(self.eqn, invals)
+        if low is None:
+            return self.bind_with(invals, params)
+        out = self.bind_with([cast(x, FLOAT32) if is_low(x.dtype) else x for x in invals], params)
+        self.bound = invals  # what the op list gave it (jamp.explain); the sum itself ran in float32
+        return cast(out, low)
 
     def bind_with(self, invals, params: dict):
         """Bind with exactly ``params`` (higher-order primitives pass ``get_bind_params`` output)."""
