@@ -19,6 +19,7 @@ The rule applies where autocast chooses dtypes; an op evaluated as written (``de
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -53,17 +54,37 @@ def widened_dtype(eqn: Any, invals: list) -> Any:
     return low
 
 
-def broadcast_in_float32(eqn: Any, invals: list) -> list:
-    """``invals`` with every low-precision variable operand that a ``BROADCASTING`` primitive would
-    broadcast replaced by its float32 broadcast to the output shape, rounded back to its dtype."""
+def widened_inputs(eqn: Any, invals: list, float32_of: Callable) -> list:
+    """The float32 inputs a ``WIDENED`` primitive is bound on. A broadcast only moves elements, so it may
+    start from the float32 value an input was rounded from (``float32_of``): the rounded result is the
+    same, one conversion fewer. A sum needs the rounded values it was given."""
+    widen = float32_of if eqn.primitive.name == "broadcast_in_dim" else _to_float32
+    return [widen(x) if is_low(getattr(x, "dtype", None)) else x for x in invals]
+
+
+def _to_float32(x: Any) -> Any:
+    return jax.lax.convert_element_type(x, FLOAT32)
+
+
+def broadcasts(eqn: Any, i: int, x: Any) -> bool:
+    """Whether ``eqn``, a ``BROADCASTING`` primitive, broadcasts its variable operand ``i`` (value ``x``)."""
+    return (eqn.primitive.name in BROADCASTING and isinstance(eqn.invars[i], Var)
+            and np.shape(x) != eqn.outvars[0].aval.shape)
+
+
+def broadcast_in_float32(eqn: Any, invals: list, float32_of: Callable) -> list:
+    """``invals`` with every low-precision operand that ``eqn`` broadcasts replaced by its float32
+    broadcast to the output shape (:func:`broadcast_to`), rounded back to its dtype."""
     if eqn.primitive.name not in BROADCASTING:
         return invals
-    shape = eqn.outvars[0].aval.shape
-    return [_broadcast(x, shape) if isinstance(v, Var) and is_low(x.dtype) and np.shape(x) != shape else x
-            for v, x in zip(eqn.invars, invals)]
+    return [broadcast_to(x, eqn.outvars[0].aval.shape, x.dtype, float32_of)
+            if is_low(getattr(x, "dtype", None)) and broadcasts(eqn, i, x) else x for i, x in enumerate(invals)]
 
 
-def _broadcast(x: Any, shape: tuple) -> Any:
-    wide = jax.lax.convert_element_type(x, FLOAT32)
+def broadcast_to(x: Any, shape: tuple, dtype: Any, float32_of: Callable) -> Any:
+    """``x`` broadcast to ``shape`` in float32 (from ``float32_of(x)``, the float32 value it was rounded
+    from if any), then rounded to ``dtype``: the same values as broadcasting ``x`` rounded to ``dtype``,
+    and the transpose, a sum of the cotangent over the broadcast dimensions, runs in float32."""
     dims = tuple(range(len(shape) - np.ndim(x), len(shape)))  # numpy's alignment (rank 0: none)
-    return jax.lax.convert_element_type(jax.lax.broadcast_in_dim(wide, shape, dims), x.dtype)
+    wide = float32_of(x) if x.dtype != FLOAT32 else x
+    return jax.lax.convert_element_type(jax.lax.broadcast_in_dim(wide, shape, dims), dtype)

@@ -110,7 +110,7 @@ def promote(call: Call):
     target = _bias_target(call, float_idx) or widest(call.invals[i].dtype for i in array_idx)
     if is_low(target) and not all(_literal_fits(call, i, target) for i in float_idx):
         target = FLOAT32
-    invals = [call.env.cast(x, target) if i in float_idx and is_eligible(x.dtype) else x
+    invals = [call.cast_operand(i, target) if i in float_idx and is_eligible(x.dtype) else x
               for i, x in enumerate(call.invals)]
     if len({invals[i].dtype for i in float_idx}) > 1:
         return default(call)
