@@ -142,7 +142,10 @@ class _Entry:
 
     def run(self, dynamic: list) -> list:
         if any(isinstance(x, jax.core.Tracer) for x in dynamic):
-            return jax.core.eval_jaxpr(self.closed.jaxpr, self.closed.consts, *dynamic)
+            outs = jax.core.eval_jaxpr(self.closed.jaxpr, self.closed.consts, *dynamic)
+            # a literal output comes back as the jaxpr holds it (a Python bool, a NumPy scalar): an array, as
+            # the executable returns it
+            return [jnp.asarray(o) if isinstance(v, jc.Literal) else o for v, o in zip(self.closed.jaxpr.outvars, outs)]
         return self.executable(*dynamic)
 
 
