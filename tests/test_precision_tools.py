@@ -138,20 +138,6 @@ def test_find_overflow_points_at_the_op_and_its_source_line():
     assert jamp.find_overflow(lambda p, x: -Block().apply(p, x).mean(), device_type="gpu")(PARAMS, X) is None
 
 
-@pytest.fixture
-def compilations():
-    """The XLA compilations JAX runs while the test body runs (eager ops included)."""
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            events.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield events
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 def test_find_overflow_compiles_one_program_and_reruns_it(compilations):
     """Both programs and every comparison in one compiled program, kept per argument signature: its
     cost is about an autocast forward plus a float32 forward, not a dispatch and a compile per op."""
