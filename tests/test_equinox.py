@@ -168,9 +168,12 @@ def test_training_with_batchnorm_state_attention_and_the_scaler():
     assert _bitwise_equal(_arrays(skipped_model), _arrays(new_model))
     assert _bitwise_equal(skipped_opt_state.inner_state, huge.inner_state)
 
-    # inside: matmuls and the convolution in float16, the statistics' and the softmax's sums in float32
+    # inside: matmuls and the convolution in float16, and their bias adds (Linear transposes under vmap and
+    # Conv squeezes before adding, the bias rule looks through that); the statistics and softmax in float32
     report = jamp.explain(batch_loss, device_type="gpu")(model, state, x, y)
     ran = {(r.primitive, r.ran_dtypes) for r in report.rows
            if r.primitive in ("dot_general", "conv_general_dilated", "reduce_sum", "exp")}
     assert ran == {("dot_general", ("float16", "float16")), ("conv_general_dilated", ("float16", "float16")),
                    ("reduce_sum", ("float32",)), ("exp", ("float32",))}
+    bias_adds = [r for r in report.rows if r.primitive == "add" and r.path.endswith(("eqx.nn.Linear", "eqx.nn.Conv"))]
+    assert len(bias_adds) == 2 and all(r.ran_dtypes == ("float16", "float16") for r in bias_adds)

@@ -63,7 +63,7 @@ class Env:
 
     def __init__(self, cache_enabled: bool):
         self.values: dict[Any, Any] = {}
-        self.lowered: set[Any] = set()           # outputs of matmuls run in the compute dtype
+        self.lowered: set[Any] = set()           # outputs of matmuls run in the compute dtype (or reshaped)
         self.origin_size: dict[Any, int] = {}    # vars that are broadcasts/reshapes of smaller arrays
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] | None = {} if cache_enabled else None
 
