@@ -177,3 +177,19 @@ def test_training_with_batchnorm_state_attention_and_the_scaler():
                    ("reduce_sum", ("float32",)), ("exp", ("float32",))}
     bias_adds = [r for r in report.rows if r.primitive == "add" and r.path.endswith(("eqx.nn.Linear", "eqx.nn.Conv"))]
     assert len(bias_adds) == 2 and all(r.ran_dtypes == ("float16", "float16") for r in bias_adds)
+
+
+def test_norm_layers_run_in_float32_on_the_gpu_policy():
+    """torch's layer_norm/rms_norm/group_norm are float32 ops on the CUDA list; Equinox builds them from
+    primitives under the name scope eqx.nn.<class>. Unruled, RMSNorm's x ** 2 overflowed float16 past 256."""
+    key = jax.random.key(3)
+    model = eqx.nn.Sequential([eqx.nn.Linear(8, 16, key=key), eqx.nn.RMSNorm(16), eqx.nn.LayerNorm(16),
+                               eqx.nn.GroupNorm(4, 16)])
+    x = 300 * X
+    f = lambda model, x: jax.vmap(model)(x)  # noqa: E731
+    np.testing.assert_allclose(jamp.autocast(f, device_type="gpu")(model, x), eqx.filter_jit(f)(model, x), rtol=0.02,
+                               atol=0.02)
+    rows = jamp.explain(f, device_type="gpu")(model, x).rows
+    for norm in ("eqx.nn.RMSNorm", "eqx.nn.LayerNorm", "eqx.nn.GroupNorm"):
+        inside = [r for r in rows if norm in r.path.split("/")]
+        assert inside and all(r.mode == "float32" and "float16" not in r.ran_dtypes for r in inside), norm

@@ -150,12 +150,16 @@ JIT_RULES: dict[str, tuple[tuple[str, str, str], ...]] = {
 }
 
 # Name-scope / flax module path components: torch's norm layers are single fp32 ops on the
-# CUDA list; flax builds them from primitives under a module scope named after the class.
+# CUDA list; flax builds them from primitives under a module scope named after the class, Equinox
+# under a name scope "eqx.nn.<class>".
 SCOPE_RULES: dict[str, tuple[tuple[str, str, str], ...]] = {
     "gpu": (
         ("LayerNorm*", FLOAT32, "layer_norm, native_layer_norm (fp32): flax LayerNorm modules"),
         ("RMSNorm*", FLOAT32, "rms_norm (fp32): flax RMSNorm modules"),
         ("GroupNorm*", FLOAT32, "group_norm (fp32): flax GroupNorm modules"),
+        ("eqx.nn.LayerNorm", FLOAT32, "layer_norm (fp32): Equinox LayerNorm"),
+        ("eqx.nn.RMSNorm", FLOAT32, "rms_norm (fp32): Equinox RMSNorm (its x ** 2 overflows float16)"),
+        ("eqx.nn.GroupNorm", FLOAT32, "group_norm (fp32): Equinox GroupNorm"),
     ),
     "cpu": (),
 }
