@@ -119,8 +119,9 @@ def main() -> None:
         rows = [row for row in report.rows if row.path == path and row.rule != "passthrough"]  # reshapes: no math
         ran = {d for row in rows for d in row.ran_dtypes if "float" in d}
         sums = {d for row in rows if row.primitive == "reduce_sum" for d in row.ran_dtypes}
-        print(f"  {path or '(loss)':18s} ran in {', '.join(sorted(ran))}"
-              + (f"; its sums in {', '.join(sorted(sums))}" if sums else ""))
+        if ran:
+            print(f"  {path or '(loss)':16s} ran in {', '.join(sorted(ran))}"
+                  + (f"; its sums in {', '.join(sorted(sums))}" if sums else ""))
 
     fp32_acc = accuracy(lambda m: m, *fp32, jnp.asarray(x_test), jnp.asarray(y_test))
     amp_acc = accuracy(lambda m: jamp.autocast(m, device_type="gpu"), *amp, jnp.asarray(x_test), jnp.asarray(y_test))
