@@ -64,6 +64,10 @@ def test_linear_bias_add_stays_in_compute_dtype():
     # a residual of the full size promotes like torch (addmm output + fp32 tensor -> fp32)
     adds = dtypes_of(jamp.autocast(lambda x, w: x @ w + x, dtype="bf16"), X, W, primitive="add")
     assert adds == [(F32, F32, F32)]
+    # the matmul's result rearranged before the bias comes (Equinox's Linear under vmap is w @ x, transposed)
+    rearranged = lambda x, w, b: (w.T @ x.T).T.reshape(X.shape[0], 1, -1).squeeze(1) + b  # noqa: E731
+    assert dtypes_of(jamp.autocast(rearranged, dtype="bf16"), X, W, B, primitive="add") == [(BF16, BF16, BF16)]
+    np.testing.assert_allclose(jamp.autocast(rearranged, dtype="bf16")(X, W, B), linear(X, W, B), rtol=0.02, atol=0.02)
 
 
 def test_conv_bias_from_flax_stays_in_compute_dtype():

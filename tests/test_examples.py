@@ -87,6 +87,17 @@ def test_flax_pattern_keeps_head_and_norm_in_float32(name, norm_path, head_path,
     assert re.match(r"step\s+0\s+loss \d+\.\d+\s+scale 65536\s+skipped False", lines[0])
 
 
+def test_equinox_example_tracks_float32_with_state_and_the_scaler():
+    lines = run_example("equinox_cnn.py", "--steps", "60")
+    acc = result(lines, r"fp32_test_accuracy=(?P<fp32>[01]\.\d{3}) amp_test_accuracy=(?P<amp>[01]\.\d{3})")
+    assert acc["fp32"] >= 0.8 and abs(acc["amp"] - acc["fp32"]) <= 0.03
+    ran = dict(m.groups() for m in (re.fullmatch(r"\s*(.+?)\s+ran in (.+)", ln) for ln in lines) if m)
+    assert ran["eqx.nn.Conv"] == ran["eqx.nn.Linear"] == "float16"  # bias adds included
+    assert ran["eqx.nn.BatchNorm"] == "float32; its sums in float32"
+    first_amp_step = next(ln for ln in lines if ln.startswith("amp "))
+    assert re.fullmatch(r"amp\s+step\s+0\s+loss \d+\.\d+\s+scale 65536\s+skipped False", first_amp_step)
+
+
 def test_explain_example_reports_low_precision_matmuls_and_finds_the_injected_overflow():
     lines = run_example("explain.py")
     assert re.fullmatch(r"RESULT explain_rows=\d+ overflow_at=Block", lines[-1]), lines[-1]

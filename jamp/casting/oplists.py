@@ -160,14 +160,19 @@ JIT_RULES: dict[str, tuple[tuple[str, str, str], ...]] = {
 }
 
 # Name-scope / flax module path components: torch's norm layers are single fp32 ops on the
-# CUDA list; flax builds them from primitives under a module scope named after the class.
-# torch's CPU list leaves the norms alone, but its CPU norm kernels compute in float32 and round once;
-# flax's are a dozen primitives that would each round in bfloat16 (1.35x the hand-cast error in
-# tests/test_accuracy.py, where flax upcasts low-precision inputs itself), so they run in float32 too.
+# CUDA list; flax builds them from primitives under a module scope named after the class, Equinox
+# under a name scope "eqx.nn.<class>". torch's CPU list leaves the norms alone, but its CPU norm kernels
+# compute in float32 and round once; flax's and Equinox's norms are a dozen primitives that would each
+# round in bfloat16 (1.35x the hand-cast error in tests/test_accuracy.py, where the libraries upcast
+# low-precision inputs themselves), so they run in float32 on both lists.
 _NORM_SCOPES = (
     ("LayerNorm*", FLOAT32, "layer_norm, native_layer_norm (CUDA: fp32; CPU: a float32 kernel): flax LayerNorm modules"),
     ("RMSNorm*", FLOAT32, "rms_norm (CUDA: fp32; CPU: a float32 kernel): flax RMSNorm modules"),
     ("GroupNorm*", FLOAT32, "group_norm (CUDA: fp32; CPU: a float32 kernel): flax GroupNorm modules"),
+    ("eqx.nn.LayerNorm", FLOAT32, "layer_norm (CUDA: fp32; CPU: a float32 kernel): Equinox LayerNorm"),
+    ("eqx.nn.RMSNorm", FLOAT32, "rms_norm (CUDA: fp32; CPU: a float32 kernel): Equinox RMSNorm (its x ** 2 "
+                                "overflows float16)"),
+    ("eqx.nn.GroupNorm", FLOAT32, "group_norm (CUDA: fp32; CPU: a float32 kernel): Equinox GroupNorm"),
 )
 SCOPE_RULES: dict[str, tuple[tuple[str, str, str], ...]] = {"gpu": _NORM_SCOPES, "cpu": _NORM_SCOPES}
 
