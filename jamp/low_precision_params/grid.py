@@ -1,9 +1,10 @@
 """Rounding float32 values onto the values of float16 or bfloat16, in float32 arithmetic.
 
 ``x.astype(bfloat16).astype(float32)`` is the obvious way to round, and the wrong one for compensated
-arithmetic: with ``xla_allow_excess_precision`` (on by default) XLA:GPU, and XLA:CPU on hosts that
-use oneDNN, fold such a narrowing-then-widening pair into nothing (openxla/xla#41605), so ``s - round(s)``
-becomes 0 and a Kahan buffer silently stays empty. Here the rounding is float32 arithmetic that no
+arithmetic: with ``xla_allow_excess_precision`` (on by default) XLA may fold a narrowing-then-widening pair
+into nothing (XLA:GPU does, openxla/xla#41605; XLA:CPU here drops the rounding of
+``jit(lambda g: (-0.1 * g).astype(float32))`` for a bfloat16 ``g``), so ``s - round(s)`` becomes 0 and a
+Kahan buffer silently stays empty. Here the rounding is float32 arithmetic that no
 compiler may drop: scale ``x`` by a power of two so that the target format's spacing at ``x`` becomes 1,
 round (or floor) to an integer, scale back. Every step is exact in float32, so :func:`nearest` equals
 the cast bit for bit (ties to even, overflow to inf, subnormals of the target format included).

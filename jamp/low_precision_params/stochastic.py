@@ -43,8 +43,16 @@ def _checked_seed(seed: Any) -> int:
 
 
 def _rounded(old: jax.Array, update: jax.Array, key: jax.Array, dtype: np.dtype) -> tuple[jax.Array, None]:
-    """``old + update`` (float32) rounded stochastically to ``dtype``; a zero update leaves ``old``."""
-    return grid.stochastic(old + update, dtype, jax.random.uniform(key, old.shape)), None
+    """``old + update`` (float32) rounded stochastically to ``dtype``; a zero update leaves ``old``.
+
+    Under jit the draws are laid out like the parameter (each device draws its shard). Inside shard_map a
+    shard that differs per device (its manual axes vary) folds in its position, so shards draw different
+    numbers, while replicas of one parameter draw the same and stay identical.
+    """
+    for name in sorted(jax.typeof(old).manual_axis_type.varying):
+        key = jax.random.fold_in(key, jax.lax.axis_index(name))
+    uniform = jax.random.uniform(key, old.shape, out_sharding=jax.typeof(old).sharding)
+    return grid.stochastic(old + update, dtype, uniform), None
 
 
 def _leaf_keys(step_key: jax.Array, params: Any) -> Any:
