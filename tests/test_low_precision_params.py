@@ -63,6 +63,11 @@ def low_precision_values(dtype, n: int, rng: np.random.Generator) -> np.ndarray:
     return np.concatenate([values, near, -near]).astype(dtype)
 
 
+def test_public_names():
+    for name in ("kahan_summation", "stochastic_rounding"):
+        assert name in jamp.__all__ and hasattr(jamp, name)
+
+
 # -- rounding onto the grid ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
@@ -216,9 +221,10 @@ def test_float32_parameters_get_the_inner_updates_unchanged(name):
     inner = optax.adamw(1e-3)
     tx = TRANSFORMS[name](inner)
     state, inner_state = tx.init(params), inner.init(params)
+    update, inner_update = jax.jit(tx.update), jax.jit(inner.update)
     for _ in range(3):
-        updates, state = tx.update(grads, state, params)
-        inner_updates, inner_state = inner.update(grads, inner_state, params)
+        updates, state = update(grads, state, params)
+        inner_updates, inner_state = inner_update(grads, inner_state, params)
         chex.assert_trees_all_equal(updates["w"], inner_updates["w"])
         assert updates["b"].dtype == jnp.float32
         params = optax.apply_updates(params, updates)
@@ -260,7 +266,7 @@ def test_inf_and_nan_propagate(name):
     tx = TRANSFORMS[name](optax.sgd(1.0))
     state = tx.init(params)
     for _ in range(2):
-        updates, state = tx.update(grads, state, params)
+        updates, state = jax.jit(tx.update)(grads, state, params)
         params = optax.apply_updates(params, updates)
     out = as_f32(params["p"])
     assert out[0] == np.inf and out[1] == -np.inf and np.isnan(out[2]) and out[3] == -np.inf
