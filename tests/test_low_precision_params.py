@@ -89,9 +89,10 @@ def test_stochastic_rounding_is_unbiased_and_stays_on_the_two_neighbours(dtype):
     the mean of n roundings differs from x by less than 5 standard errors of a coin with P(up) = fraction."""
     lows = np.asarray([1.0, -1.0, 1.0 - 2**-8, 2.0 - 2**-7, -(2.0 - 2**-7), 2**-20, -(2**-20), 3.0, 1e-3],
                       np.float32)
-    lows = lows if dtype == jnp.bfloat16 else np.append(lows, np.float32(2**-24 * 5))  # float16 subnormal
+    if dtype == jnp.float16:  # a subnormal, and the step from the smallest negative subnormal up to zero
+        lows = np.append(lows, np.float32([2**-24 * 5, -(2**-24)]))
     lows = as_f32(np.asarray(lows, dtype))
-    fractions = np.asarray([0.5, 0.3, 0.01, 0.9, 0.77, 0.123, 0.5, 0.999, 0.25, 0.6], np.float32)[:len(lows)]
+    fractions = np.asarray([0.5, 0.3, 0.01, 0.9, 0.77, 0.123, 0.5, 0.999, 0.25, 0.6, 0.4], np.float32)[:len(lows)]
     step = spacing(lows, dtype)
     x = lows + fractions * step
     n = 20_000

@@ -53,17 +53,20 @@ def check_params(who: str, params: Any) -> None:
 
 def checked_state_dtype(who: str, state_dtype: Any) -> np.dtype | None:
     """``state_dtype`` as a numpy dtype (None or float32); a ValueError naming the argument otherwise."""
+    if state_dtype is None:
+        return None
     try:
-        dtype = None if state_dtype is None else np.dtype(state_dtype)
+        dtype = np.dtype(state_dtype)
     except TypeError:
-        dtype = "not a dtype"
-    if dtype not in (None, np.dtype(jnp.float32)):
+        dtype = None
+    if dtype != np.dtype(jnp.float32):
         raise ValueError(f"{who}: state_dtype must be None (the inner optimizer sees the parameters' own dtype) or "
                          f"float32, got {shown(state_dtype)}")
     return dtype
 
 
 def checked_inner(who: str, inner: Any) -> optax.GradientTransformationExtraArgs:
+    """``inner`` with extra-args support; a TypeError naming ``who``'s argument inner if it is no transformation."""
     return optax.with_extra_args_support(checked_transformation(f"{who}'s argument inner", inner))
 
 
@@ -96,9 +99,11 @@ def landing_update(new: jax.Array, old: jax.Array) -> jax.Array:
 
 
 def map_low(leaf_step: Callable, params: Any, updates: Any, per_leaf: Any) -> tuple[Any, Any]:
-    """``leaf_step(old, update, extra, dtype) -> (new, new_extra)`` on each low-precision leaf (``old``, ``update``
-    and ``new`` in float32, ``dtype`` the parameter's), where ``extra`` is the leaf's entry in ``per_leaf``. Returns the landing updates (wide leaves:
-    ``updates`` unchanged) and the tree of ``new_extra`` (None at wide leaves)."""
+    """``leaf_step(old, update, extra, dtype) -> (new, new_extra)`` on each low-precision leaf (``old``,
+    ``update`` and ``new`` in float32, ``dtype`` the parameter's, ``extra`` the leaf's entry in ``per_leaf``).
+
+    Returns the landing updates (wide leaves: ``updates`` unchanged) and the tree of ``new_extra`` (None at
+    wide leaves)."""
     def one(p, u, extra):
         if not is_low(p):
             return u, None
