@@ -38,3 +38,12 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"autocast coverage sweep: {counts['passed']}/{total} cases pass ({100 * counts['passed'] / total:.1f}%), "
             f"{counts['failed']} failed, {counts['known limitation']} known limitations")
+
+
+@pytest.fixture(params=["select_where_produced", "select_after"])
+def skip_form(request, monkeypatch):
+    """Run jamp.scaler with each skip form on this platform (each platform picks one by default)."""
+    from jamp.scaling import skip
+
+    monkeypatch.setattr(skip, "FORM_OF_PLATFORM", {"default": getattr(skip, request.param)})
+    return request.param
