@@ -20,7 +20,7 @@ import numpy as np
 
 from jamp import _jax_compat as jc
 from jamp._arguments import checked_bool, shown
-from jamp.casting import oplists
+from jamp.casting import oplists, replay
 from jamp.casting.call import Context
 from jamp.casting.dtypes import ELIGIBLE_DTYPES, is_eligible, parse_dtype
 from jamp.casting.interpreter import trace_jaxpr
@@ -165,10 +165,7 @@ class _Entry:
 
     def run(self, dynamic: list) -> list:
         if any(isinstance(x, jax.core.Tracer) for x in dynamic):
-            outs = jax.core.eval_jaxpr(self.closed.jaxpr, self.closed.consts, *dynamic)
-            # a literal output comes back as the jaxpr holds it (a Python bool, a NumPy scalar): an array, as
-            # the executable returns it
-            return [jnp.asarray(o) if isinstance(v, jc.Literal) else o for v, o in zip(self.closed.jaxpr.outvars, outs)]
+            return replay.run(self.closed, dynamic)
         return self.executable(*dynamic)
 
 
