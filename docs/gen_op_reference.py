@@ -4,7 +4,8 @@ Nothing here is a copy of jamp's op lists. Every table is computed from the data
 ``jamp.casting.oplists`` (``OP_TABLE``, ``CATEGORIES``, ``TORCH_ONLY_NOTES``, ``DEVICE_TYPES``), the built-in
 policies returned by ``jamp.get_policy(device)`` (the category of each primitive, the region rules,
 the compute dtype), ``jamp.casting.regions.EFFECTIVE_RULE`` (region mode x category) and
-``jamp.casting.rules.HIGHER_ORDER_RULES``; the fp8 tables come from ``jamp.casting.fp8``.
+``jamp.casting.rules.HIGHER_ORDER_RULES``; the fp8 tables come from ``jamp.casting.fp8``, the accumulation
+table from ``jamp.casting.accumulation``.
 
 Two mechanisms, both used by ``mkdocs.yml`` (``hooks: [docs/gen_op_reference.py]``):
 
@@ -26,7 +27,7 @@ import re
 import jax.numpy as jnp
 
 import jamp
-from jamp.casting import fp8, oplists, policy
+from jamp.casting import accumulation, fp8, oplists, policy
 from jamp.casting.dtypes import ELIGIBLE_DTYPES
 from jamp.casting.regions import EFFECTIVE_RULE
 from jamp.casting.rules import HIGHER_ORDER_RULES
@@ -235,6 +236,20 @@ def device_types_table() -> str:
     return _table(("device_type", "default dtype", "op list", "page"), rows)
 
 
+def accumulation_table() -> str:
+    """``jamp.casting.accumulation``: which primitives sum in float32 when autocast gives them a low dtype."""
+    return _table(("primitives", "given a float16/bfloat16 input"), [
+        (_code(sorted(accumulation.WIDENED - {"broadcast_in_dim"})),
+         "bound on float32, result rounded once to the dtype its rule gives: the sum (product) accumulates "
+         "in float32, and so does its transpose"),
+        ("`broadcast_in_dim`", "bound on float32 and rounded once, when it adds elements: its transpose "
+                               "(a sum over the broadcast dimensions) accumulates in float32"),
+        (_code(sorted(accumulation.BROADCASTING)),
+         "an operand it broadcasts (a `(1, 1, d)` bias, a rank-0 scale) is broadcast in float32 and rounded "
+         "first; the op runs in the dtype its rule gives, and the gradient of that operand is summed in float32"),
+    ])
+
+
 def fp8_formats_table() -> str:
     """``jamp.casting.fp8.FORMATS``: which tensors each float8 format carries, and its range."""
     rows = []
@@ -259,6 +274,7 @@ def fp8_eligibility_list() -> str:
 
 
 MARKERS = {
+    "accumulation": accumulation_table,
     "categories": categories_table,
     "comparison": comparison_table,
     "device-types": device_types_table,

@@ -1,11 +1,15 @@
 """jamp: automatic mixed precision for JAX (torch.amp's autocast and GradScaler, the JAX way).
 
-Three wings: :mod:`jamp.casting` (autocast, the jaxpr transformation), :mod:`jamp.scaling` (GradScaler
-as an optax transformation) and :mod:`jamp.tools` (explain, find_overflow). This module is the public face.
+Four wings: :mod:`jamp.casting` (autocast, the jaxpr transformation), :mod:`jamp.scaling` (GradScaler
+as an optax transformation), :mod:`jamp.low_precision_params` (Kahan-compensated and stochastically rounded
+updates of float16/bfloat16 parameters) and :mod:`jamp.tools` (explain, find_overflow). This module is the
+public face.
 """
 
 from jamp.casting.policy import Policy, get_policy
 from jamp.casting.transform import autocast, custom_fwd
+from jamp.low_precision_params.kahan import kahan_summation
+from jamp.low_precision_params.stochastic import stochastic_rounding
 from jamp.scaling.checkpoint import load_state_dict, state_dict
 from jamp.scaling.helpers import found_inf, get_scale, scale, set_scale, value_and_grad
 from jamp.scaling.state import DisabledScalerState, ScalerState
@@ -30,6 +34,9 @@ __all__ = [
     "set_scale",
     "state_dict",
     "value_and_grad",
+    # low-precision parameters
+    "kahan_summation",
+    "stochastic_rounding",
     # precision tools
     "Finding",
     "Report",

@@ -18,3 +18,12 @@ def checked_bool(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool (True or False), got {shown(value)} of type {type(value).__name__}")
     return bool(value)
+
+
+def checked_transformation(what: str, tx: Any) -> Any:
+    """``tx`` if it has callable ``init`` and ``update`` (duck-typed as optax.chain does, so optax.MultiSteps fits);
+    a TypeError naming ``what`` (e.g. "jamp.scaler's argument 0") otherwise."""
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(f"{what} must be an optax.GradientTransformation (or have its init and update, as "
+                        f"optax.MultiSteps does), got {shown(tx)} of type {type(tx).__name__}")
+    return tx

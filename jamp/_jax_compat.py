@@ -81,6 +81,23 @@ def source_location(eqn) -> str:
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})" if frame else ""
 
 
+# ``jax.jit(..., inline=...)`` that inlines the call into the enclosing jaxpr while tracing: jax >= 0.11 names
+# it ``jax.Inline.JAX_EARLY`` (``inline=True`` there inlines only when lowering); jax 0.10 has only True.
+INLINE_WHILE_TRACING = jax.Inline.JAX_EARLY if hasattr(jax, "Inline") else True
+
+
+def is_differentiated(x) -> bool:
+    """Whether ``x`` is (or wraps, as vmap's and shard_map's tracers do) a tracer of forward- or reverse-mode
+    differentiation."""
+    from jax._src.interpreters import ad
+
+    while isinstance(x, jax.core.Tracer):
+        if isinstance(x, (ad.JVPTracer, ad.LinearizeTracer)):
+            return True
+        x = getattr(x, "val", None)
+    return False
+
+
 def is_symbolic_zero(x) -> bool:
     """True for the ``Zero`` placeholders a custom_vjp bwd rule may return."""
     from jax._src.ad_util import Zero
@@ -147,6 +164,6 @@ def _host_as_h100():
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Literal", "Var", "convert_constvars_jaxpr", "jaxpr_as_fun",
     "jaxprs_in_params", "weakref_lru_cache", "wrap_init", "user_context", "name_stack_str", "source_location",
-    "is_symbolic_zero", "shard_map_body", "split_bwd_result", "join_bwd_result",
+    "INLINE_WHILE_TRACING", "is_differentiated", "is_symbolic_zero", "shard_map_body", "split_bwd_result", "join_bwd_result",
     "lower_for_cuda",
 ]

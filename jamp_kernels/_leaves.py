@@ -86,14 +86,32 @@ def inverse(scale: Any) -> jax.Array:
     return jnp.stack([numerator / jnp.where(tiny, m, scale), power])
 
 
+def bits_dtype(dtype: Any) -> np.dtype:
+    """The unsigned integer type as wide as ``dtype``: how a leaf's values travel when they must not change."""
+    return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
+
+
+def to_bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, bits_dtype(x.dtype))
+
+
+def from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits, dtype)
+
+
 def scale(x: jax.Array, factor: jax.Array, power_of_two: jax.Array) -> jax.Array:
     """One leaf (or block) times ``factor * power_of_two`` in opmath, rounded once (the power of two is
-    exact); an inverse of exactly 1 returns ``x`` bit for bit.
+    exact); an inverse of exactly 1 returns ``x`` bit for bit, subnormals included, as torch's
+    ``(inv_scale == 1) ? val : val * inv_scale`` does.
 
-    The select keeps subnormals when the inverse is 1 although XLA:CPU flushes them in arithmetic, as
-    torch's ``(inv_scale == 1) ? val : val * inv_scale`` does. ``x * factor`` comes first: for the pair
-    of a subnormal scale it is ``x / scale * 2**-64``, a normal float whenever ``x`` is (``x / scale > 1``).
+    The select picks between the bits of ``x`` and of the product, not between float values: XLA:CPU
+    flushes subnormals in arithmetic, and it widens a bfloat16 select to float32 and narrows the result
+    back, which flushes subnormals wherever the float32-to-bfloat16 convert is the AVX512-BF16
+    instruction ``vcvtneps2bf16`` (it always flushes). Bitcasts cost nothing. ``x * factor`` comes
+    first: for the pair of a subnormal scale it is ``x / scale * 2**-64``, a normal float whenever ``x``
+    is (``x / scale > 1``).
     """
     op = opmath(x.dtype)
-    scaled = x.astype(op) * factor.astype(op) * power_of_two.astype(op)
-    return jnp.where((factor == 1) & (power_of_two == 1), x, scaled.astype(x.dtype))
+    scaled = (x.astype(op) * factor.astype(op) * power_of_two.astype(op)).astype(x.dtype)
+    keep = (factor == 1) & (power_of_two == 1)
+    return from_bits(jnp.where(keep, to_bits(x), to_bits(scaled)), x.dtype)

@@ -4,7 +4,11 @@ This is torch's ``multi_tensor_apply`` for ``_amp_foreach_non_finite_check_and_u
 over the blocks of every leaf in turn, each leaf keeps its own buffer and dtype (no concatenation, which
 would cost a copy), and a binary tree of ``cond``s on the program id picks the leaf and block a program
 works on. Every program writes one int32 flag; a tiny XLA reduction turns them into ``found_inf``
-(deterministic, no zero-initialised atomic buffer). Triton runs on Ampere and newer; the default Mosaic
+(deterministic, no zero-initialised atomic buffer). Leaves enter and leave the kernel as unsigned integers
+of their width and are bitcast to their float type only for the arithmetic: a value the kernel returns
+unchanged is then moved, never converted (interpret mode runs on XLA:CPU, which widens bfloat16 loads,
+stores and selects to float32 and narrows them back with a convert that flushes subnormals on CPUs with
+AVX512-BF16). Triton runs on Ampere and newer; the default Mosaic
 GPU path of ``pallas_call`` is Hopper-only, so ``CompilerParams`` from ``pallas.triton`` selects Triton.
 """
 
@@ -15,6 +19,7 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
@@ -37,8 +42,9 @@ for every leaf (Pallas computes all block offsets at kernel entry)."""
 
 
 class _Span(NamedTuple):
-    """Where one leaf sits in the grid: programs ``first .. first + blocks - 1``."""
+    """Where one leaf sits in the grid: programs ``first .. first + blocks - 1``; ``dtype`` is its float type."""
 
+    dtype: np.dtype
     size: int
     block: int
     first: int
@@ -46,13 +52,14 @@ class _Span(NamedTuple):
 
 
 def _layout(leaves: Sequence[jax.Array]) -> tuple[_Span, ...]:
+    """The grid positions of float ``leaves`` (flat, before they are bitcast to their bits)."""
     spans, first = [], 0
     for g in leaves:
         if g.size >= 2**31:
             raise ValueError(f"the Pallas kernel indexes with int32; a leaf of {g.size} elements needs backend='xla'")
         block = min(BLOCK_BYTES // g.dtype.itemsize, pl.next_power_of_2(g.size))
         blocks = pl.cdiv(g.size, block)
-        spans.append(_Span(g.size, block, first, blocks))
+        spans.append(_Span(np.dtype(g.dtype), g.size, block, first, blocks))
         first += blocks
     return tuple(spans)
 
@@ -68,9 +75,9 @@ def _leaf_block(span: _Span, x_ref, o_ref, inv, pid, masked: bool) -> jax.Array:
     mask = None
     if masked:
         mask = start + lax.broadcasted_iota(jnp.int32, (span.block,), 0) < span.size
-    x = plt.load(x_ref.at[window], mask=mask)
+    x = _leaves.from_bits(plt.load(x_ref.at[window], mask=mask), span.dtype)
     if o_ref is not None:
-        plt.store(o_ref.at[window], _leaves.scale(x, *inv), mask=mask)
+        plt.store(o_ref.at[window], _leaves.to_bits(_leaves.scale(x, *inv)), mask=mask)
     bad = jnp.logical_not(jnp.isfinite(x.astype(_leaves.opmath(x.dtype))))
     if mask is not None:
         bad = jnp.logical_and(bad, mask)
@@ -115,8 +122,8 @@ def _out_struct(shape, dtype, like: Sequence[jax.Array]) -> jax.ShapeDtypeStruct
 
 def _launch(leaves: Sequence[jax.Array], inv: jax.Array | None, *, interpret: bool, donate: bool):
     """One ``pallas_call`` over ``leaves``: with ``inv``, unscale and check; without, check only (reads only)."""
-    flat = [g.reshape(-1) for g in leaves]
-    spans = _layout(flat)
+    spans = _layout([g.reshape(-1) for g in leaves])
+    flat = [_leaves.to_bits(g.reshape(-1)) for g in leaves]
     programs = spans[-1].first + spans[-1].blocks
     flags = _out_struct((programs,), jnp.int32, flat)
     flag_spec = pl.BlockSpec((1,), lambda b: (b,))
@@ -135,7 +142,7 @@ def _launch(leaves: Sequence[jax.Array], inv: jax.Array | None, *, interpret: bo
         input_output_aliases={1 + i: i for i in range(len(flat))} if donate else {},
         name="jamp_unscale_and_check", **params,
     )(inv, *flat)
-    return [o.reshape(g.shape) for o, g in zip(outs, leaves)], jnp.max(flag_out) > 0
+    return [_leaves.from_bits(o, g.dtype).reshape(g.shape) for o, g in zip(outs, leaves)], jnp.max(flag_out) > 0
 
 
 def _grouped(leaves: Sequence[jax.Array], inv: jax.Array | None, *, interpret: bool,

@@ -1,12 +1,30 @@
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # On a CPU the suite compiles thousands of tiny programs; LLVM's optimisation passes are a third of
 # that time and change no IEEE result (XLA's HLO passes, which decide dtypes and fusions, still run).
 if os.environ["JAX_PLATFORMS"] == "cpu" and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def compilations():
+    """The XLA compilations JAX runs while the test body runs (eager ops included)."""
+    import jax  # after the environment above is set
+
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield events
+    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -20,3 +38,12 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"autocast coverage sweep: {counts['passed']}/{total} cases pass ({100 * counts['passed'] / total:.1f}%), "
             f"{counts['failed']} failed, {counts['known limitation']} known limitations")
+
+
+@pytest.fixture(params=["select_where_produced", "select_after"])
+def skip_form(request, monkeypatch):
+    """Run jamp.scaler with each skip form on this platform (each platform picks one by default)."""
+    from jamp.scaling import skip
+
+    monkeypatch.setattr(skip, "FORM_OF_PLATFORM", {"default": getattr(skip, request.param)})
+    return request.param

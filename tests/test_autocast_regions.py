@@ -171,7 +171,10 @@ def test_compute_and_native_modes():
 
     compute = jamp.get_policy("gpu").with_rules({"sm": "compute"})
     assert dtypes_of(jamp.autocast(f, policy=compute), W, X, primitive="exp")[0][-1] == F16
-    assert dtypes_of(jamp.autocast(f, policy=compute), W, X, primitive="reduce_sum")[0][-1] == F16
+    # the sum's result is float16; it accumulates in float32 (the bound primitive's dtypes)
+    (row,) = [r for r in jamp.explain(f, policy=compute)(W, X).rows if r.primitive == "reduce_sum"]
+    assert row.out_dtypes == (F16,) and dtypes_of(jamp.autocast(f, policy=compute), W, X,
+                                                  primitive="reduce_sum") == [(F32, F32)]
     def g(w, x):
         h = x @ w
         with jax.named_scope("sm"):

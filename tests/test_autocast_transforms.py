@@ -240,3 +240,77 @@ def test_custom_linear_solve_and_pure_callback_are_opaque():
         return cb.sum()
 
     np.testing.assert_allclose(jamp.autocast(f, dtype="bf16")(W, X), f(W, X), rtol=0.05)
+
+
+# -- literals: a jaxpr keeps scalar constants inline (Python bools as they are), and they reach rules,
+# -- output casts and every body's outputs
+def _literals():
+    """(a Python bool, float32 and float16 scalars, a weak-typed Python float), as a jaxpr inlines them."""
+    return jnp.array(False), jnp.array(1.5, jnp.float32), jnp.float16(2), 2.0
+
+
+def _other_literals():
+    return jnp.array(True), jnp.array(2.5, jnp.float32), jnp.float16(3), 4.0
+
+
+@jax.custom_jvp
+def _literal_jvp(w, x):
+    return (x @ w, *_literals())
+
+
+@_literal_jvp.defjvp
+def _literal_jvp_rule(primals, tangents):
+    (w, x), (tw, tx) = primals, tangents
+    float0 = np.zeros((), jax.dtypes.float0)
+    return _literal_jvp(w, x), (tx @ w + x @ tw, float0, jnp.array(0.5, jnp.float32), jnp.float16(0), 0.0)
+
+
+@jax.custom_vjp
+def _literal_vjp(w, x, s):
+    return (s * (x @ w), *_literals())
+
+
+_literal_vjp.defvjp(lambda w, x, s: (_literal_vjp(w, x, s), (w, x, s)),
+                    lambda r, ct: (r[2] * r[1].T @ ct[0], r[2] * ct[0] @ r[0].T, jnp.array(0.25, jnp.float32)))
+
+
+LITERAL_MODELS = {
+    "output": lambda w, x: (x @ w, *_literals()),
+    "operand": lambda w, x: jax.lax.select_n(jnp.array(True), x, x @ w),
+    "cond": lambda w, x: jax.lax.cond(x.sum() > 0, lambda x: (x @ w, *_literals()),
+                                      lambda x: (x, *_other_literals()), x),
+    "scan": lambda w, x: jax.lax.scan(lambda c, _: ((c[0] @ w, *_literals()), _literals()),
+                                      (x, *_other_literals()), None, length=2),
+    "while": lambda w, x: jax.lax.while_loop(lambda c: c[1], lambda c: (c[0] @ w, *_literals()),
+                                             (x, *_other_literals())),
+    "jit": lambda w, x: jax.jit(lambda x: (x @ w, *_literals()))(x),
+    "remat": lambda w, x: jax.checkpoint(lambda x: (x @ w, *_literals()))(x),
+    "custom_jvp": _literal_jvp,
+    "custom_jvp_tangents": lambda w, x: [t for i, t in enumerate(jax.jvp(_literal_jvp, (w, x), (w, x))[1]) if i != 1],
+    "custom_vjp": lambda w, x: _literal_vjp(w, x, x[0, 0]),
+    "custom_vjp_cotangent": lambda w, x: jax.grad(lambda s: _literal_vjp(w, x, s)[0].sum())(x[0, 0]),
+    "grad_aux": lambda w, x: jax.value_and_grad(lambda w: ((x @ w).sum(), _literals()), has_aux=True)(w),
+}
+
+
+@pytest.mark.parametrize("name", LITERAL_MODELS)
+def test_literal_values_come_out_as_arrays_of_their_declared_types(name):
+    """A literal output stays what it is (a False output a bool array, a float16 literal float16, a
+    Python float a weak float32), wherever the jaxpr holds it; matmuls still run low."""
+    f = LITERAL_MODELS[name]
+    ref, out = jax.jit(f)(W, X), jamp.autocast(f, dtype="bf16")(W, X)
+    assert jax.tree.structure(out) == jax.tree.structure(ref)
+    for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        assert isinstance(o, jax.Array) and jax.typeof(o) == jax.typeof(r), (o, r)
+        np.testing.assert_allclose(o, r, rtol=0.02, atol=0.02)
+    assert dtypes_of(jamp.autocast(f, dtype="bf16"), W, X)[0][:2] == (BF16, BF16)
+
+
+def test_literal_aux_outputs_of_a_differentiated_autocast_function_are_arrays():
+    """Under a transformation the rewritten program runs inline (eval_jaxpr), which hands literal outputs
+    back as the jaxpr holds them; they still come out as arrays of their types."""
+    f = jamp.autocast(lambda w, x: ((x @ w).sum(), _literals()), dtype="bf16")
+    (_, aux), grad = jax.value_and_grad(f, has_aux=True)(W, X)
+    for a, r in zip(aux, jax.jit(_literals)()):
+        assert isinstance(a, jax.Array) and jax.typeof(a) == jax.typeof(r) and a == r, (a, r)
+    assert grad.dtype == jnp.float32

@@ -130,3 +130,19 @@ def test_pmap_and_shard_map_inside_and_outside():
     """, env={"PYTHONPATH": "tests"})
     lines = out.strip().splitlines()
     assert len(lines) == 4 and all(line.endswith("True True float32") for line in lines), lines
+
+
+def test_shard_map_body_with_literal_outputs():
+    """A shard_map body whose outputs include jaxpr literals (a Python bool, typed scalars)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])
+    body = lambda w, x: (x @ w, jnp.array(False), jnp.array(1.5, jnp.float32), jnp.float16(2))  # noqa: E731
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P("d"), P(), P(), P()))
+    x = jax.device_put(X, NamedSharding(mesh, P("d")))
+    ref, out = f(W, x), jamp.autocast(f, dtype="bf16")(W, x)
+    assert dtypes_of(jamp.autocast(f, dtype="bf16"), W, x) == [("bfloat16",) * 3]
+    for o, r in zip(out, ref):
+        assert jax.typeof(o) == jax.typeof(r), (o, r)
+        np.testing.assert_allclose(o, r, rtol=0.02, atol=0.02)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jamp_kernels
+from helpers import eqns
 from jamp import _jax_compat as jc
 from jamp_kernels import pallas_triton, xla
 
@@ -81,15 +82,37 @@ def test_every_nonfinite_kind_at_both_ends_of_every_leaf(tree, jitted, backend):
                 assert_same_bits(out[key], reference(poisoned[key], INV))  # still unscaled, as torch does
 
 
+SUBNORMALS = {"f32": jnp.array([1e-40, -3e-39, 1e-45, 2.0], jnp.float32),
+              "bf16": jnp.array([1e-39, -2e-40, 1.0], jnp.bfloat16),
+              "f16": jnp.array([1e-7, -3e-8, 6e-8, 1.0], jnp.float16)}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_inv_scale_one_passes_subnormals_through(backend):
-    """XLA:CPU flushes subnormal products to zero; torch's kernel returns the input when inv_scale == 1."""
-    tiny = {"f32": jnp.array([1e-40, -3e-39, 1e-45, 2.0], jnp.float32),
-            "bf16": jnp.array([1e-39, -2e-40, 1.0], jnp.bfloat16)}
-    out, found = jamp_kernels.unscale_and_check(tiny, 1.0, backend=backend)
+    """torch's kernel returns the input when inv_scale == 1; XLA:CPU flushes subnormal products to zero,
+    and on CPUs with AVX512-BF16 also every bfloat16 subnormal it narrows from float32 (it widens bfloat16
+    selects, loads and stores to float32). Several leaves, so the interpret kernel branches between them
+    (the layout that flushed on such a CPU before the kernel moved bits)."""
+    out, found = jamp_kernels.unscale_and_check(SUBNORMALS, 1.0, backend=backend)
     assert not found
-    for key in tiny:
-        assert_same_bits(out[key], tiny[key])
+    for key in SUBNORMALS:
+        assert_same_bits(out[key], SUBNORMALS[key])
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_values_returned_unchanged_are_moved_as_bits(backend):
+    """The host-independent half of the test above: the kernel's leaves enter and leave the Pallas call as
+    unsigned integers of their width, and the inv_scale == 1 select picks bits, so no convert can touch
+    an input that comes back unchanged, whichever instruction a CPU converts with."""
+    closed = jax.make_jaxpr(lambda g, inv: jamp_kernels.unscale_and_check(g, inv, backend=backend))(SUBNORMALS, 1.0)
+    selects = [e for e in eqns(closed) if e.primitive.name == "select_n"]
+    assert selects and all(e.outvars[0].aval.dtype.kind == "u" for e in selects), selects
+    calls = [e for e in eqns(closed) if e.primitive.name == "pallas_call"]
+    assert len(calls) == (backend == "interpret")
+    for call in calls:
+        leaves = call.invars[1:]  # after the inv_scale pair
+        assert [v.aval.dtype for v in leaves] == [np.dtype(f"uint{8 * g.dtype.itemsize}") for g in jax.tree.leaves(SUBNORMALS)]
+        assert [v.aval.dtype for v in call.outvars[:-1]] == [v.aval.dtype for v in leaves]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

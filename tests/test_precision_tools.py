@@ -138,20 +138,6 @@ def test_find_overflow_points_at_the_op_and_its_source_line():
     assert jamp.find_overflow(lambda p, x: -Block().apply(p, x).mean(), device_type="gpu")(PARAMS, X) is None
 
 
-@pytest.fixture
-def compilations():
-    """The XLA compilations JAX runs while the test body runs (eager ops included)."""
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            events.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield events
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 def test_find_overflow_compiles_one_program_and_reruns_it(compilations):
     """Both programs and every comparison in one compiled program, kept per argument signature: its
     cost is about an autocast forward plus a float32 forward, not a dispatch and a compile per op."""
@@ -230,3 +216,35 @@ def test_nnx_region_rule_by_name_scope_and_by_nested_autocast():
         return jamp.autocast(m.head, enabled=False)(jax.nn.relu(m.body(x)).astype(jnp.float32))
 
     assert dtypes_of(jamp.autocast(apply_nested, dtype="bf16"), state, X) == [("bfloat16",) * 3, ("float32",) * 3]
+
+
+def test_explain_and_find_overflow_walk_literal_values():
+    """Literals (a Python bool, typed scalars) as outputs of branches, loop bodies, a custom_vjp, a jit, a
+    shard_map body and the function: both tools walk past them to the overflow that follows."""
+    from jax.sharding import PartitionSpec as P
+
+    @jax.custom_vjp
+    def matmul_flagged(h, w):
+        return h @ w, jnp.array(False)
+
+    matmul_flagged.defvjp(lambda h, w: (matmul_flagged(h, w), (h, w)), lambda r, ct: (ct[0] @ r[1].T, r[0].T @ ct[0]))
+    mesh = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])
+    flagged = lambda h, w: (h @ w, jnp.array(False), jnp.float32(1.5))  # noqa: E731
+
+    def f(w, x):
+        h, a, _ = jax.lax.cond(x.sum() > 0, flagged, lambda h, w: (h, jnp.array(True), jnp.float32(2.5)), x, w)
+        (h, b, _), _ = jax.lax.scan(lambda c, _: (flagged(c[0], w), jnp.array(True)), (h, a, jnp.float32(0)),
+                                    None, length=2)
+        h, c, _ = jax.lax.while_loop(lambda c: c[1], lambda c: flagged(c[0], w), (h, b, jnp.float32(0)))
+        h, d = matmul_flagged(h, w)
+        h, e, _ = jax.jit(flagged)(h, w)
+        h, g, _ = jax.shard_map(flagged, mesh=mesh, in_specs=P(), out_specs=P())(h, w)
+        return (h * 1e5) @ w, a | b | c | d | e | g, jnp.array(False), jnp.float16(2)
+
+    w = jnp.eye(8) + 0.1
+    report = jamp.explain(f, device_type="gpu")(w, X)
+    dots = [r for r in report.rows if r.primitive == "dot_general"]
+    assert len(dots) == 7 and all(r.ran_dtypes == ("float16", "float16") for r in dots)
+    assert {"cond", "scan", "while", "custom_vjp_call", "shard_map"} <= {r.primitive for r in report.rows}
+    finding = jamp.find_overflow(f, device_type="gpu")(w, X)
+    assert (finding.kind, finding.primitive, finding.source) == ("overflow", "dot_general", dots[-1].source)

@@ -84,13 +84,6 @@ def test_inner_that_changes_its_state_dtype_is_rejected():
         jamp.scaler(changes).update(GRADS, jamp.scaler(changes).init(PARAMS))
 
 
-@pytest.fixture(params=["select_where_produced", "select_after"])
-def skip_form(request, monkeypatch):
-    """Run the scaler with each skip form on this platform (each platform picks one by default)."""
-    monkeypatch.setattr(skip, "FORM_OF_PLATFORM", {"default": getattr(skip, request.param)})
-    return request.param
-
-
 @pytest.mark.parametrize("name", INNERS)
 def test_both_skip_forms_step_as_inner_and_skip_bit_identically(skip_form, name):
     test_step_equals_inner_and_skip_keeps_everything(name)

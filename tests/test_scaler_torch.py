@@ -5,7 +5,9 @@ tests/data/make_torch_goldens.py (torch is not a test dependency). Scales, found
 state_dicts must match bit for bit; unscaled gradients too wherever torch's float32 1/scale is a normal
 float. Where it is not (scales above 2**126: a subnormal with fewer bits; below about 2**-128: inf, which
 makes torch's parameters inf/NaN), jamp unscales by the reciprocal rounded to 24 bits, and the gradients
-must equal that product. Scaled gradients that are float32 subnormals are not compared: XLA flushes them.
+must equal that product. Scaled gradients that are float32 subnormals are not compared: XLA:CPU flushes
+subnormal arithmetic to zero on every host. Nothing compared depends on the host: no unscaled golden is
+subnormal, so a bfloat16 result never meets the AVX512-BF16 convert that flushes subnormals on some CPUs.
 """
 
 from __future__ import annotations
@@ -112,6 +114,14 @@ def test_trajectory_matches_torch(traj, one_compiled_update):
     state, update, traces = one_compiled_update
     assert {k for k, _ in replay(traj, update, state)} == {"w", "b"}
     assert len(traces) == 1  # hyperparameters are arrays: loading another config never retraced
+
+
+def test_no_unscaled_golden_is_subnormal():
+    """What keeps the replay independent of the host (module docstring): a subnormal bfloat16 result would
+    be flushed by AVX512-BF16's convert on some CPUs and kept on others."""
+    values = np.array([v for t in GOLDENS["trajectories"] for st in t["steps"] for k in ("w", "b")
+                       for v in st["unscaled"][k]], np.float64)
+    assert values.size > 1000 and not np.any((values != 0) & (np.abs(values) < np.finfo(np.float32).tiny))
 
 
 @pytest.mark.parametrize("traj", GOLDENS["trajectories"][:4], ids=lambda t: t["name"])

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import _jax_compat as jc
-from jamp.casting import regions
-from jamp.casting.dtypes import is_eligible
+from jamp.casting import accumulation, regions
+from jamp.casting.dtypes import FLOAT32, is_eligible, is_low
 from jamp.casting.policy import Policy
 
 MATMUL_LIKE = ("dot_general", "conv_general_dilated", "ragged_dot_general")
@@ -52,17 +52,24 @@ def is_float(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def literal_value(v: Any) -> Any:
+    """A jaxpr literal's value, with a dtype: jaxprs keep a Python bool (``jnp.array(False)``) as it is,
+    and rules, output casts and the tools all ask a value for its dtype."""
+    return v.val if hasattr(v.val, "dtype") else np.asarray(v.val, v.aval.dtype)
+
+
 class Env:
     """Values of one jaxpr evaluation plus the facts rules ask about them."""
 
     def __init__(self, cache_enabled: bool):
         self.values: dict[Any, Any] = {}
-        self.lowered: set[Any] = set()           # outputs of matmuls run in the compute dtype
+        self.lowered: set[Any] = set()           # outputs of matmuls run in the compute dtype (or reshaped)
         self.origin_size: dict[Any, int] = {}    # vars that are broadcasts/reshapes of smaller arrays
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] | None = {} if cache_enabled else None
+        self._rounded_from: dict[int, tuple[Any, Any]] = {}  # id(low) -> (low, the float32 value cast to it)
 
     def read(self, v: Any) -> Any:
-        return v.val if isinstance(v, jc.Literal) else self.values[v]
+        return literal_value(v) if isinstance(v, jc.Literal) else self.values[v]
 
     def write(self, vs, vals) -> None:
         for v, val in zip(vs, vals):
@@ -76,7 +83,15 @@ class Env:
         hit = self._casts.get(key)
         if hit is None or hit[0] is not x:
             hit = self._casts[key] = (x, cast(x, dtype))
+            if x.dtype == FLOAT32:
+                self._rounded_from[id(hit[1])] = (hit[1], x)
         return hit[1]
+
+    def float32_of(self, x: Any) -> Any:
+        """``x`` in float32: the float32 value this evaluation rounded to ``x``, if it did (for ops that
+        only move elements, the same numbers without a round trip), else ``x`` converted."""
+        hit = self._rounded_from.get(id(x))
+        return hit[1] if hit is not None and hit[0] is x else cast(x, FLOAT32)
 
     def size_before_broadcast(self, v: Any) -> int:
         return self.origin_size.get(v, int(np.prod(v.aval.shape)))
@@ -101,7 +116,25 @@ class Call:
         return self.eqn.params
 
     def bind(self, invals=None, **param_updates):
-        return self.bind_with(self.invals if invals is None else invals, {**self.eqn.params, **param_updates})
+        """Bind with these inputs; an op that would sum many float16/bfloat16 elements, in its result or
+        in its transpose, runs on float32 and rounds once to that dtype (:mod:`jamp.casting.accumulation`)."""
+        invals = accumulation.broadcast_in_float32(self.eqn, self.invals if invals is None else invals,
+                                                   self.env.float32_of)
+        params = {**self.eqn.params, **param_updates}
+        low = accumulation.widened_dtype(self.eqn, invals)
+        if low is None:
+            return self.bind_with(invals, params)
+        out = self.bind_with(accumulation.widened_inputs(self.eqn, invals, self.env.float32_of), params)
+        self.bound = invals  # what the op list gave it (jamp.explain); the sum itself ran in float32
+        return cast(out, low)
+
+    def cast_operand(self, i: int, dtype) -> Any:
+        """Input ``i`` cast to ``dtype`` for this op; an operand the op broadcasts into a low dtype is
+        broadcast in float32 first, so that its gradient sums in float32 (:mod:`jamp.casting.accumulation`)."""
+        x = self.invals[i]
+        if is_low(dtype) and accumulation.broadcasts(self.eqn, i, x):
+            return accumulation.broadcast_to(x, self.eqn.outvars[0].aval.shape, dtype, self.env.float32_of)
+        return self.env.cast(x, dtype)
 
     def bind_with(self, invals, params: dict):
         """Bind with exactly ``params`` (higher-order primitives pass ``get_bind_params`` output)."""

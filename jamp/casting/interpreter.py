@@ -16,6 +16,9 @@ from jamp.casting.call import MATMUL_LIKE, Call, Context, Env, cast_outputs
 
 # Equations whose output keeps the "size before broadcast" of their input (bias detection).
 _BROADCAST_LIKE = ("broadcast_in_dim", "reshape", "convert_element_type")
+# Equations whose output is their input's elements rearranged: a matmul's result is still one after them
+# (bias detection: Equinox's Linear under vmap transposes, its Conv squeezes, before adding the bias).
+_REARRANGING = ("reshape", "squeeze", "expand_dims", "transpose")
 
 
 def evaluate(jaxpr: jc.Jaxpr, consts, args, ctx: Context) -> list:
@@ -43,9 +46,9 @@ def evaluate(jaxpr: jc.Jaxpr, consts, args, ctx: Context) -> list:
 
 def track_facts(env: Env, eqn, effective: str) -> None:
     name = eqn.primitive.name
-    if name in MATMUL_LIKE and effective == "lower":
+    if (name in MATMUL_LIKE and effective == "lower") or (name in _REARRANGING and env.is_lowered(eqn.invars[0])):
         env.lowered.update(eqn.outvars)
-    elif name in _BROADCAST_LIKE and isinstance(eqn.invars[0], jc.Var):
+    if name in _BROADCAST_LIKE and isinstance(eqn.invars[0], jc.Var):
         env.origin_size[eqn.outvars[0]] = env.size_before_broadcast(eqn.invars[0])
 
 

@@ -134,8 +134,17 @@ OP_TABLE: tuple[OpRow, ...] = (
 
 # Composite functions that JAX stages as a named jit: the whole call gets a region mode,
 # which maps torch's op-level entries (softplus, log_softmax, norm, upsample) onto them.
+# jax.nn.dot_product_attention's XLA path computes its logits with the einsum below, asking for a float32
+# result from low-precision q and k (so does torch's fused attention); a rounded logit error is
+# exponentiated by the softmax. The einsum stages as a jit named by its subscripts.
+_ATTENTION_LOGITS = ("BTNH,BSNH->BNTS", "float32_output",
+                     "scaled_dot_product_attention (lower precision, fused): jax.nn.dot_product_attention's "
+                     "logits einsum takes compute-dtype q, k and returns float32, as JAX does for "
+                     "low-precision inputs")
+
 JIT_RULES: dict[str, tuple[tuple[str, str, str], ...]] = {
     "gpu": (
+        _ATTENTION_LOGITS,
         ("log_softmax", FLOAT32, "log_softmax (fp32_set_opt_dtype)"),
         ("softplus", FLOAT32, "softplus (fp32)"),
         ("norm", FLOAT32, "norm, linalg_vector_norm, linalg_matrix_norm, frobenius_norm (fp32)"),
@@ -143,6 +152,7 @@ JIT_RULES: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("_resize", FLOAT32, "upsample_* (fp32): jax.image.resize"),
     ),
     "cpu": (
+        _ATTENTION_LOGITS,
         ("log_softmax", FLOAT32, "cross_entropy_loss, nll_loss (fp32 on the CPU list): "
                                  "optax.softmax_cross_entropy and hand-written losses use log_softmax. "
                                  "Deviation: torch's standalone CPU log_softmax runs in the input dtype"),
@@ -150,15 +160,21 @@ JIT_RULES: dict[str, tuple[tuple[str, str, str], ...]] = {
 }
 
 # Name-scope / flax module path components: torch's norm layers are single fp32 ops on the
-# CUDA list; flax builds them from primitives under a module scope named after the class.
-SCOPE_RULES: dict[str, tuple[tuple[str, str, str], ...]] = {
-    "gpu": (
-        ("LayerNorm*", FLOAT32, "layer_norm, native_layer_norm (fp32): flax LayerNorm modules"),
-        ("RMSNorm*", FLOAT32, "rms_norm (fp32): flax RMSNorm modules"),
-        ("GroupNorm*", FLOAT32, "group_norm (fp32): flax GroupNorm modules"),
-    ),
-    "cpu": (),
-}
+# CUDA list; flax builds them from primitives under a module scope named after the class, Equinox
+# under a name scope "eqx.nn.<class>". torch's CPU list leaves the norms alone, but its CPU norm kernels
+# compute in float32 and round once; flax's and Equinox's norms are a dozen primitives that would each
+# round in bfloat16 (1.35x the hand-cast error in tests/test_accuracy.py, where the libraries upcast
+# low-precision inputs themselves), so they run in float32 on both lists.
+_NORM_SCOPES = (
+    ("LayerNorm*", FLOAT32, "layer_norm, native_layer_norm (CUDA: fp32; CPU: a float32 kernel): flax LayerNorm modules"),
+    ("RMSNorm*", FLOAT32, "rms_norm (CUDA: fp32; CPU: a float32 kernel): flax RMSNorm modules"),
+    ("GroupNorm*", FLOAT32, "group_norm (CUDA: fp32; CPU: a float32 kernel): flax GroupNorm modules"),
+    ("eqx.nn.LayerNorm", FLOAT32, "layer_norm (CUDA: fp32; CPU: a float32 kernel): Equinox LayerNorm"),
+    ("eqx.nn.RMSNorm", FLOAT32, "rms_norm (CUDA: fp32; CPU: a float32 kernel): Equinox RMSNorm (its x ** 2 "
+                                "overflows float16)"),
+    ("eqx.nn.GroupNorm", FLOAT32, "group_norm (CUDA: fp32; CPU: a float32 kernel): Equinox GroupNorm"),
+)
+SCOPE_RULES: dict[str, tuple[tuple[str, str, str], ...]] = {"gpu": _NORM_SCOPES, "cpu": _NORM_SCOPES}
 
 # torch.amp entries that have no JAX primitive of their own, and what happens instead.
 TORCH_ONLY_NOTES: tuple[tuple[str, str], ...] = (

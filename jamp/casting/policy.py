@@ -24,9 +24,10 @@ from jamp.casting.dtypes import (
 # Region modes: how the equations inside a matched region are evaluated.
 AUTOCAST = "autocast"  # the policy's per-primitive categories (the mode outside any rule)
 COMPUTE = "compute"    # every floating op in the compute dtype (linear algebra excepted)
+FLOAT32_OUTPUT = "float32_output"  # as autocast, but matmuls emit their float32 accumulator (attention logits)
 NATIVE = "native"      # like one unlisted op: no casts beyond what keeps the program well-typed
 OFF = "off"            # the original program: inputs cast back to the dtypes the jaxpr recorded
-MODES = (AUTOCAST, oplists.FLOAT32, COMPUTE, NATIVE, OFF)
+MODES = (AUTOCAST, oplists.FLOAT32, FLOAT32_OUTPUT, COMPUTE, NATIVE, OFF)
 
 
 class RegionRule(NamedTuple):

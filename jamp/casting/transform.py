@@ -8,6 +8,7 @@ import functools
 import inspect
 import numbers
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -19,7 +20,7 @@ import numpy as np
 
 from jamp import _jax_compat as jc
 from jamp._arguments import checked_bool, shown
-from jamp.casting import oplists
+from jamp.casting import oplists, replay
 from jamp.casting.call import Context
 from jamp.casting.dtypes import ELIGIBLE_DTYPES, is_eligible, parse_dtype
 from jamp.casting.interpreter import trace_jaxpr
@@ -68,6 +69,28 @@ _OUTPUT_SCALARS = (bool, int, float, complex)
 def _is_traced(x: Any) -> bool:
     """A leaf of the arguments that becomes an input of the traced program (not part of the cache key)."""
     return _is_dynamic(x) or isinstance(x, _TRACED_SCALARS)
+
+
+def equinox_module_type() -> type | None:
+    """``equinox.Module``, looked up, not imported: a program that holds an Equinox module has imported it."""
+    equinox = sys.modules.get("equinox")
+    return None if equinox is None else equinox.Module
+
+
+def _traced_mask(tree: Any) -> tuple[bool, ...]:
+    """For each leaf of ``tree``, whether it is traced. Inside an Equinox module only arrays are, as under
+    ``eqx.filter_jit``: its other leaves (MaxPool's ``-inf`` init, a dropout rate, activation functions) are
+    configuration that its code may use in Python (a traced MaxPool init has no gradient rule)."""
+    module_type = equinox_module_type()
+    if module_type is None:
+        return tuple(_is_traced(x) for x in jax.tree.leaves(tree))
+    mask: list[bool] = []
+    for sub in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, module_type)):
+        if isinstance(sub, module_type):
+            mask.extend(_is_dynamic(x) for x in jax.tree.leaves(sub))
+        else:
+            mask.append(_is_traced(sub))
+    return tuple(mask)
 
 
 def _hashable(x: Any) -> bool:
@@ -142,7 +165,7 @@ class _Entry:
 
     def run(self, dynamic: list) -> list:
         if any(isinstance(x, jax.core.Tracer) for x in dynamic):
-            return jax.core.eval_jaxpr(self.closed.jaxpr, self.closed.consts, *dynamic)
+            return replay.run(self.closed, dynamic)
         return self.executable(*dynamic)
 
 
@@ -216,7 +239,7 @@ class Autocast:
         rest_args = tuple(a for i, a in enumerate(args) if i not in argnums)
         rest_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         leaves, treedef = jax.tree.flatten((rest_args, rest_kwargs))
-        dynamic_mask = tuple(_is_traced(x) for x in leaves)
+        dynamic_mask = _traced_mask((rest_args, rest_kwargs))
         dynamic = [x for x, d in zip(leaves, dynamic_mask) if d]
         static_leaves = tuple(x for x, d in zip(leaves, dynamic_mask) if not d)
         avals = tuple(jax.typeof(x) for x in dynamic)
@@ -266,8 +289,8 @@ class Autocast:
 
     def _traced_note(self, error: Exception, rest_args: tuple, rest_kwargs: dict, static_args: dict) -> str:
         """JAX names the traced inputs ``dynamic[i]``: say which argument each one is."""
-        names = [n for n, leaf in zip(self._leaf_names(rest_args, rest_kwargs, static_args),
-                                      jax.tree.leaves((rest_args, rest_kwargs))) if _is_traced(leaf)]
+        names = [n for n, traced in zip(self._leaf_names(rest_args, rest_kwargs, static_args),
+                                        _traced_mask((rest_args, rest_kwargs))) if traced]
         cited = sorted({int(i) for i in re.findall(r"dynamic\[(\d+)\]", str(error))})
         which = ", ".join(f"dynamic[{i}] is {names[i]}" for i in cited if i < len(names))
         return (f"jamp.autocast({_name(self.fun)}): {which + '. ' if which else ''}jamp.autocast traces array "
@@ -458,9 +481,10 @@ def autocast(fun: Callable | None = None, /, *, dtype: Any = None, device_type: 
     Outputs keep the dtypes ``fun`` declares (or the policy's output dtype).
 
     Arrays and Python floats (weak-typed, as under jax.jit) are traced; bools, ints, strings and other
-    objects are static, part of the cache key; ``static_argnums``/``static_argnames`` make any argument
-    static. As with jax.jit, arrays that ``fun`` closes over are constants of the trace, except for an
-    NNX module (or a bound method of one), whose current state is an input of every call.
+    objects are static, part of the cache key; inside an Equinox module only arrays are traced, as under
+    ``eqx.filter_jit``; ``static_argnums``/``static_argnames`` make any argument static. As with jax.jit,
+    arrays that ``fun`` closes over are constants of the trace, except for an NNX or Equinox module (or a
+    bound method of one) given as ``fun``, whose current arrays are inputs of every call.
     """
     options = {"dtype": dtype, "device_type": device_type, "enabled": enabled, "cache_enabled": cache_enabled,
                "policy": policy, "static_argnums": static_argnums, "static_argnames": static_argnames}
@@ -469,11 +493,13 @@ def autocast(fun: Callable | None = None, /, *, dtype: Any = None, device_type: 
     if not callable(fun):
         raise TypeError(f"autocast()(fun) requires a callable, but got {type(fun).__name__}. "
                         "Use jamp.autocast(f)(*args) or @jamp.autocast.")
-    from jamp.casting import stateful  # it subclasses Autocast
+    from jamp.casting import equinox_module, stateful  # they subclass Autocast
 
-    bound = stateful.bound_module(fun)
-    if bound is not None:
-        return stateful.ModuleAutocast(fun, *bound, **options)
+    for bound_module, module_autocast in ((stateful.bound_module, stateful.ModuleAutocast),
+                                          (equinox_module.bound_module, equinox_module.EquinoxAutocast)):
+        bound = bound_module(fun)
+        if bound is not None:
+            return module_autocast(fun, *bound, **options)
     return Autocast(fun, **options)
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 import jamp_kernels
-from jamp._arguments import checked_bool
+from jamp._arguments import checked_bool, checked_transformation
 from jamp.scaling import rule as scale_rule
 from jamp.scaling import skip
 from jamp.scaling import state as scaler_state
@@ -58,12 +58,8 @@ def _check_inner(inner: tuple) -> optax.GradientTransformationExtraArgs:
             "optax.chain(jamp.scaler(), ...): a scaler placed first in a chain could zero the updates of an "
             "overflowing step but not stop the later transformations from updating their state"
         )
-    for i, tx in enumerate(inner):  # duck-typed as optax.chain does, so optax.MultiSteps(...) fits too
-        if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-            raise TypeError(
-                f"jamp.scaler's argument {i} must be an optax.GradientTransformation (or have its init and "
-                f"update, as optax.MultiSteps does), got {type(tx).__name__}"
-            )
+    for i, tx in enumerate(inner):
+        checked_transformation(f"jamp.scaler's argument {i}", tx)
     return optax.with_extra_args_support(inner[0] if len(inner) == 1 else optax.chain(*inner))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jamp import _jax_compat as jc
 from jamp.casting import oplists
-from jamp.casting.regions import EFFECTIVE_RULE
+from jamp.casting.regions import EFFECTIVE_RULE, LOWER_F32_OUT
 from jamp.casting.rules import calls, control_flow, custom_ad, leaf, shard_map
 
 HIGHER_ORDER_RULES = {
@@ -24,6 +24,7 @@ LEAF_RULES = {
     oplists.PROMOTE: leaf.promote,
     oplists.PASSTHROUGH: leaf.passthrough,
     oplists.DEFAULT: leaf.default,
+    LOWER_F32_OUT: leaf.lower_float32_output,
 }
 # A policy with fp8 on swaps the `lower` rule for one that runs eligible matmuls in float8.
 FP8_LEAF_RULES = {**LEAF_RULES, oplists.LOWER: leaf.lower_fp8}

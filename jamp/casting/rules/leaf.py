@@ -25,14 +25,22 @@ def _all_floats_eligible(call: Call) -> bool:
     return all(is_eligible(x.dtype) for x in call.invals if is_float(x))
 
 
-def lower(call: Call):
-    """Cast floating inputs to the compute dtype; matmuls also emit it."""
+def lower(call: Call, output_dtype=None):
+    """Cast floating inputs to the compute dtype; matmuls also emit it (or ``output_dtype``)."""
     dtype = call.ctx.compute_dtype
     if not _all_floats_eligible(call) or (call.eqn.primitive.name in MATMUL_LIKE
                                           and not all(is_float(x) for x in call.invals)):
         return default(call)
     invals = [call.env.cast(x, dtype) if is_float(x) else x for x in call.invals]
-    return call.bind(invals, **_set_preferred(call, dtype))
+    return call.bind(invals, **_set_preferred(call, output_dtype or dtype))
+
+
+def lower_float32_output(call: Call):
+    """``lower``, but a matmul returns its float32 accumulator instead of rounding it to the compute
+    dtype: what ``jax.nn.dot_product_attention`` asks for its logits (``preferred_element_type=float32``
+    on low-precision q and k), which a softmax then exponentiates, so their rounding error would not stay
+    small. Operands and backward matmuls stay in the compute dtype."""
+    return lower(call, FLOAT32)
 
 
 def lower_fp8(call: Call):
@@ -102,7 +110,7 @@ def promote(call: Call):
     target = _bias_target(call, float_idx) or widest(call.invals[i].dtype for i in array_idx)
     if is_low(target) and not all(_literal_fits(call, i, target) for i in float_idx):
         target = FLOAT32
-    invals = [call.env.cast(x, target) if i in float_idx and is_eligible(x.dtype) else x
+    invals = [call.cast_operand(i, target) if i in float_idx and is_eligible(x.dtype) else x
               for i, x in enumerate(call.invals)]
     if len({invals[i].dtype for i in float_idx}) > 1:
         return default(call)
@@ -115,5 +123,6 @@ def passthrough(call: Call):
 
 
 def default(call: Call):
-    """Unknown to jamp: give the primitive exactly the input dtypes it was traced with."""
-    return call.bind(call.cast_to_recorded())
+    """Unknown to jamp: give the primitive exactly the input dtypes it was traced with (and bind it
+    as recorded: a float16 sum the program wrote stays one)."""
+    return call.bind_with(call.cast_to_recorded(), call.params)
