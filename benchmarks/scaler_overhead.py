@@ -23,6 +23,9 @@ rows below it force each form, so every form is measured on every platform. On a
 tree gives what a ``jax.profiler`` trace shows per step: kernels launched, their device time, the span
 from first to last kernel, and the costliest ops.
 
+"the check alone" runs ``jamp_kernels.has_nonfinite`` by itself: one plus its ratio is the least that any scaler
+whose check is a separate pass over the gradients can cost (the summary prints it beside the scaler).
+
 Peers, written inline (no jmp/flax import needed):
   optax.apply_if_finite   unscale by tree_map, then optax's isfinite + lax.cond around Adam
   jmp                     all_finite(grads) then select_tree(finite, new, old) over params and state
@@ -48,6 +51,7 @@ from device_profile import profile
 
 import jamp
 from jamp.scaling import skip
+import jamp_kernels
 from jamp_kernels import dispatch, xla
 
 SCALE = 1024.0
@@ -188,6 +192,16 @@ def flax_dynamic_scale(adam):
     return "adam", adam.init, step
 
 
+def check_alone(adam):
+    """The default finite check by itself: what a scaler whose check is a separate pass over the gradients
+    pays on top of bare Adam at the least (the parameters pass through, donated, untouched)."""
+    def step(params, found_inf, grads):
+        return params, jamp_kernels.has_nonfinite(grads)
+
+    return "check", lambda params: jnp.zeros((), jnp.bool_), step
+
+
+CHECK_ALONE = "the check alone (jamp_kernels.has_nonfinite)"
 VARIANTS: dict[str, Callable] = {
     "bare Adam": bare,
     "jamp.scaler(adam)": jamp_scaler,
@@ -196,6 +210,7 @@ VARIANTS: dict[str, Callable] = {
     "  skip form select_where_produced": lambda adam: jamp_scaler(adam, form="select_where_produced"),
     "  skip form select_after": lambda adam: jamp_scaler(adam, form="select_after"),
     "  check backend xla": lambda adam: jamp_scaler(adam, backend="xla"),
+    CHECK_ALONE: check_alone,
     "optax.apply_if_finite": apply_if_finite,
     "jmp all_finite+select_tree": jmp_select_tree,
     "flax DynamicScale where": flax_dynamic_scale,
@@ -330,16 +345,19 @@ def main() -> None:
     results = {key: measure(TREES[key], names, args.rounds, args.small) for key in trees}
 
     print("\nSummary (ratios to bare Adam's finite step, median of the rounds, interquartile range):")
-    print("| parameter tree | bare Adam ms | jamp.scaler(adam) ms | " + " | ".join(KINDS) + " | best peer (step) |")
-    print("|---" * (4 + len(KINDS)) + "|")
+    print("| parameter tree | bare Adam ms | jamp.scaler(adam) ms | " + " | ".join(KINDS)
+          + " | 1 + the check alone (step) | best peer (step) |")
+    print("|---" * (5 + len(KINDS)) + "|")
     for key, result in results.items():
         jamp_row, floor = result.get("jamp.scaler(adam)"), result["bare Adam"]["step"][0]
         peers = [(result[p]["step"][1][1], p) for p in PEERS if p in result]
         best = f"{min(peers)[1]} {min(peers)[0]:.2f}" if peers else "-"
+        check = result.get(CHECK_ALONE)
+        separate_check_floor = f"{1 + check['step'][1][1]:.2f}" if check else "-"
         if jamp_row:
             title = f"{TREES[key].title} ({result['size']})" if args.small else TREES[key].title
             print(f"| {title} | {floor:.1f} | {jamp_row['step'][0]:.1f} | "
-                  + " | ".join(fmt(jamp_row[k][1]) for k in KINDS) + f" | {best} |")
+                  + " | ".join(fmt(jamp_row[k][1]) for k in KINDS) + f" | {separate_check_floor} | {best} |")
 
 if __name__ == "__main__":
     main()
