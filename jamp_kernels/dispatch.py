@@ -14,12 +14,6 @@ from jamp_kernels import _leaves, pallas_triton, sharding, xla
 BACKENDS = ("auto", "xla", "pallas", "interpret")
 
 
-def _shard_local_check(check, leaves: list) -> jax.Array:
-    """``check(leaves)`` on each device's own shards, the flag OR-ed over the mesh: the XLA check slices
-    every leaf into views, and slices of a sharded leaf would make XLA's partitioner move the data."""
-    return sharding.shard_local(lambda _, local: ([], check(local)), None, leaves, writes=False)[1]
-
-
 def _xla(inv: jax.Array, *leaves: jax.Array) -> tuple[jax.Array, ...]:
     return (*xla.unscale(list(leaves), inv), _xla_check(*leaves))
 
@@ -31,11 +25,11 @@ def _pallas(inv: jax.Array, *leaves: jax.Array, interpret: bool, donate: bool) -
 
 
 def _xla_check(*leaves: jax.Array) -> jax.Array:
-    return _shard_local_check(xla.has_nonfinite, list(leaves))
+    return xla.has_nonfinite(list(leaves))
 
 
 def _pallas_check(*leaves: jax.Array, interpret: bool) -> jax.Array:
-    return _shard_local_check(functools.partial(pallas_triton.check, interpret=interpret), list(leaves))
+    return sharding.shard_local_check(functools.partial(pallas_triton.check, interpret=interpret), list(leaves))
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))
@@ -57,7 +51,8 @@ def has_nonfinite(grads: Any, *, backend: str = "auto") -> jax.Array:
     ``backend="auto"`` reads the leaves with one Pallas kernel launch on CUDA (a launch per leaf costs more
     than the reading on a GPU) and with XLA elsewhere, in the form ``xla.CHECK_OF_PLATFORM`` picks
     (elementwise loops over views of the leaves on a CPU); "xla", "pallas", "interpret" as for
-    :func:`unscale_and_check`. Sharded leaves are read shard by shard and the flag OR-ed over the mesh.
+    :func:`unscale_and_check`. The Pallas kernel and the CPU form read sharded leaves shard by shard and OR
+    the flag over the mesh; XLA partitions the per-leaf reductions of the other form itself.
     """
     _check_backend(backend)
     leaves, _ = _leaves.flatten(grads)

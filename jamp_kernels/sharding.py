@@ -112,3 +112,9 @@ def shard_local(fn: LeafFn, inv: jax.Array | None, leaves: list, *, writes: bool
     if any(_is_split(jax.typeof(g).sharding.spec) for g in leaves):
         return _shard_map(fn, inv, leaves, writes)
     return _custom_partitioned(fn, inv, leaves, writes)
+
+
+def shard_local_check(check: Callable[[list], jax.Array], leaves: list) -> jax.Array:
+    """``check(leaves)`` on each device's own shards, the flag OR-ed over the mesh: for checks that the
+    partitioner cannot split by itself (a Pallas kernel, slices of flattened leaves)."""
+    return shard_local(lambda _, local: ([], check(local)), None, leaves, writes=False)[1]

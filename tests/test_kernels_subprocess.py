@@ -91,6 +91,21 @@ mesh = jax.make_mesh((4, 2), ("d", "m"))
 grads = jax.device_put(host, {k: NamedSharding(mesh, s) for k, s in specs.items()})
 text = lower_for_cuda(lambda g: jamp_kernels.unscale_and_check(g, INV, backend="pallas"), grads).as_text()
 report["cuda"] = {"triton_calls": text.count("__gpu$xla.gpu.triton"), "manual": "sdy.manual_computation" in text}
+# The XLA check off a CPU is a reduction per leaf that XLA partitions itself: no shard-by-shard wrapper,
+# which would gather an unevenly split leaf.
+text = lower_for_cuda(lambda g: jamp_kernels.has_nonfinite(g, backend="xla"), grads).as_text()
+report["cuda_xla_check_manual"] = "sdy.manual_computation" in text
+from jamp_kernels import dispatch, xla
+xla.CHECK_OF_PLATFORM = {"default": xla._reduced}  # that form, run here
+dispatch._check.clear_cache()
+mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+split = NamedSharding(mesh, P("d"))
+fn = jax.jit(lambda x: jamp_kernels.has_nonfinite([jax.lax.with_sharding_constraint(x[:1001] * 2, split)],
+                                                  backend="xla"), in_shardings=split)
+x = np.ones((1008, 16), np.float32)
+report["uneven_reduced"] = {  # 1001 rows over 8 devices; an inf in row 1000 counts, one in row 1001 is sliced away
+    "all_gather": "all-gather" in fn.lower(x).compile().as_text(),
+    "flags": [bool(fn(np.where(np.arange(1008)[:, None] == row, np.inf, x))) for row in (1001, 1000)]}
 print(json.dumps(report))
 """
 
@@ -111,6 +126,8 @@ def test_sharded_gradients_stay_sharded_on_8_devices():
     assert report["uneven_flags"] == [False, True]  # the NaN at index 7 is sliced away
     assert report["pmap_flags"] == [False, False, False, True, False, False, False, False]
     assert report["cuda"] == {"triton_calls": 1, "manual": True}
+    assert not report["cuda_xla_check_manual"]
+    assert report["uneven_reduced"] == {"all_gather": False, "flags": [False, True]}
 
 
 FLOAT64 = """
