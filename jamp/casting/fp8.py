@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jamp.casting.dtypes import exact_pow2
+
 # cuBLASLt's float8 GEMM needs the contracting and the free extents in multiples of 16 bytes (16 float8
 # elements); other shapes stay in the compute dtype rather than being padded.
 ALIGNMENT = 16
@@ -59,11 +61,6 @@ def eligible(lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...], dimension_n
     return all(size > 0 and size % ALIGNMENT == 0 for size in (k, m, n))
 
 
-def _pow2(exponent: jax.Array) -> jax.Array:
-    """2.0**exponent in float32, exactly, for integer exponents in [-126, 127]."""
-    return lax.bitcast_convert_type((exponent.astype(jnp.int32) + 127) << 23, jnp.float32)
-
-
 def quantize(x: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
     """``(x * 2**e)`` in ``fmt`` and ``2**-e`` (float32), with the largest ``e`` that keeps the absolute
     maximum within the format. An all-zero ``x`` gets ``e = 0``; an ``x`` holding inf or NaN becomes all
@@ -76,8 +73,8 @@ def quantize(x: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
     e = max_exponent - exponent - (mantissa > max_mantissa).astype(jnp.int32)
     e = jnp.clip(jnp.where(amax > 0, e, 0), -MAX_EXPONENT, MAX_EXPONENT)
     finite = jnp.isfinite(amax)
-    scale = jnp.where(finite, _pow2(e), jnp.nan)
-    inverse = jnp.where(finite, _pow2(-e), jnp.nan)
+    scale = jnp.where(finite, exact_pow2(e), jnp.nan)
+    inverse = jnp.where(finite, exact_pow2(-e), jnp.nan)
     # The clip saturates only where the exponent was clamped; an e4m3fn cast of a larger finite value is NaN.
     return jnp.clip(x32 * scale, -fmt.max, fmt.max).astype(fmt.dtype), inverse
 

@@ -16,18 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jamp.casting.dtypes import exact_pow2
+
 _F32_BIAS, _F32_MANTISSA = 127, 23
-
-
-def _pow2(n: jax.Array) -> jax.Array:
-    """``2.0**n`` in float32, exactly, for int32 ``n`` in [-126, 127] (built from its exponent bits)."""
-    return jax.lax.bitcast_convert_type((n + _F32_BIAS) << _F32_MANTISSA, jnp.float32)
 
 
 def _times_pow2(x: jax.Array, n: jax.Array) -> jax.Array:
     """``x * 2.0**n`` exactly: two normal factors, so that ``n`` may reach +-133 (bfloat16's subnormals)."""
     half = n >> 1
-    return x * _pow2(half) * _pow2(n - half)
+    return x * exact_pow2(half) * exact_pow2(n - half)
 
 
 def _spacing_exponent(x: jax.Array, dtype: np.dtype) -> jax.Array:
