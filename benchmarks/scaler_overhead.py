@@ -209,7 +209,6 @@ VARIANTS: dict[str, Callable] = {
     "  check form _reduced (a reduction per leaf)": lambda adam: jamp_scaler(adam, backend="xla", check="_reduced"),
     "  skip form select_where_produced": lambda adam: jamp_scaler(adam, form="select_where_produced"),
     "  skip form select_after": lambda adam: jamp_scaler(adam, form="select_after"),
-    "  check backend xla": lambda adam: jamp_scaler(adam, backend="xla"),
     CHECK_ALONE: check_alone,
     "optax.apply_if_finite": apply_if_finite,
     "jmp all_finite+select_tree": jmp_select_tree,

@@ -56,6 +56,8 @@ def kahan_summation(inner: optax.GradientTransformation, *,
     ``state_dtype``: None (default) lets ``inner`` see the parameters and gradients in their own dtype, so
     its state is what it makes of them (``optax.adam`` keeps bfloat16 moments for bfloat16 parameters);
     ``jnp.float32`` hands it float32 copies, so its state is float32 (4 more bytes per parameter for Adam).
+    Use ``jnp.float32`` with Adam on float16 parameters: its ``eps=1e-8`` is 0 in float16, and a second
+    moment that underflows then makes the update 0 / 0.
     """
     inner_tx = leaves.checked_inner(_WHO, inner)
     state_dtype = leaves.checked_state_dtype(_WHO, state_dtype)

@@ -72,7 +72,8 @@ def stochastic_rounding(inner: optax.GradientTransformation, seed: int = 0, *,
     steps. The key lives in the state and is split on every update. float32/float64 parameters get
     ``inner``'s updates unchanged; inf and NaN pass through.
 
-    ``state_dtype``: as in :func:`jamp.kahan_summation` (None: ``inner`` sees the parameters' own dtype).
+    ``state_dtype``: as in :func:`jamp.kahan_summation` (None: ``inner`` sees the parameters' own dtype;
+    ``jnp.float32`` for Adam on float16 parameters).
     """
     inner_tx = leaves.checked_inner(_WHO, inner)
     seed = _checked_seed(seed)
