@@ -228,8 +228,8 @@ def test_cpu_check_finds_every_nonfinite_kind_at_every_view_edge():
 
 
 def test_cpu_check_reads_the_gradients_in_elementwise_loops():
-    """HLO facts behind the CPU check's speed: no floating-point reduction (XLA:CPU runs those on one thread
-    at a fraction of memory speed), and 1000 equal leaves share loops (two views each, 16 views a loop)."""
+    """HLO facts behind the CPU check's speed: no floating-point reduction (XLA:CPU does not split those across
+    threads), and 1000 equal leaves share loops (two views each, 16 views a loop)."""
     tree = [jnp.ones(1000)] * 1000 + [jnp.ones((300, 1000))]
     hlo = jax.jit(lambda g: jamp_kernels.has_nonfinite(g, backend="xla")).lower(tree).compile().as_text()
     assert not re.search(r"= (f16|bf16|f32|f64)\[[0-9,]*\]\S* (reduce|reduce-window)\(", hlo)  # fused bodies too
