@@ -1,5 +1,6 @@
 """The Flax NNX pattern: autocast the model call, keep the logits layer in float32 by a named scope,
-train with ``nnx.Optimizer`` around ``jamp.scaler``.
+train with ``nnx.Optimizer`` around ``jamp.scaler``. The model is an argument of the autocast function, as of
+``nnx.jit``: what a call writes to it (BatchNorm's running statistics, Dropout's RNG count) reaches the model.
 
     python examples/flax_nnx.py [--steps 100]
 """
@@ -19,11 +20,13 @@ import jamp
 class MLP(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         self.hidden = nnx.Linear(32, 128, rngs=rngs)
+        self.bn = nnx.BatchNorm(128, rngs=rngs)  # running statistics: written by every training call
+        self.drop = nnx.Dropout(0.1, rngs=rngs)  # a new mask each call: its RNG count is written too
         self.norm = nnx.LayerNorm(128, rngs=rngs)
         self.head = nnx.Linear(128, 10, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = jax.nn.relu(self.hidden(x))
+        x = self.drop(jax.nn.relu(self.bn(self.hidden(x))))
         # NNX adds no name scopes of its own, so region rules need explicit ones. This one puts the whole
         # norm under the GPU policy's built-in "LayerNorm*" rule (torch's layer_norm runs in float32), the
         # way flax linen's module path does; nnx.LayerNorm computes its statistics in float32 anyway.
@@ -35,6 +38,8 @@ class MLP(nnx.Module):
 
 # torch's CUDA op lists (float16 matmuls; softmax and loss in float32) plus everything under "head" in float32.
 POLICY = jamp.get_policy("gpu").with_rules({"head": "float32"})
+# The model is an argument: inside nnx.jit and nnx.value_and_grad it is the copy they hand the function, and
+# what the call writes to it flows back to the caller's model, as with NNX's own transformations.
 amp_call = jamp.autocast(lambda model, x: model(x), policy=POLICY)
 
 
@@ -69,6 +74,9 @@ def main() -> None:
             scale, skipped = jamp.get_scale(optimizer.opt_state), jamp.found_inf(optimizer.opt_state)
             print(f"step {i:4d}  loss {float(loss):.4f}  scale {float(scale):g}  skipped {bool(skipped)}")
 
+    print(f"BatchNorm running mean moved to |mean| {float(jnp.abs(model.bn.mean[...]).mean()):.3f} (0 at init); "
+          f"Dropout RNG count {int(model.drop.rngs.count[...])} (one per training step)")
+    model.eval()  # BatchNorm now normalises with the running statistics written during training; no dropout
     report = jamp.explain(lambda model, x: model(x), policy=POLICY)(model, x)
     for path in sorted({row.path for row in report.rows}):
         ran = {d for row in report.rows if row.path == path and row.rule != "passthrough"  # reshapes: no math

@@ -100,8 +100,12 @@ def test_flax_pattern_keeps_head_and_norm_in_float32(name, norm_path, head_path,
     assert result(lines, r"train_accuracy=(?P<acc>[01]\.\d{3})")["acc"] >= min_accuracy
     ran = dict(m.groups() for m in (re.fullmatch(r"\s*(.+?)\s+ran in (.+)", ln) for ln in lines) if m)
     assert ran[norm_path] == ran[head_path] == "float32"
-    assert "float16" in ran.values()
+    assert any("float16" in dtypes for dtypes in ran.values())
     assert re.match(r"step\s+0\s+loss \d+\.\d+\s+scale 65536\s+skipped False", lines[0])
+    if name == "flax_nnx.py":  # the model is an argument of the autocast function: its writes reach it
+        moved = next(m for m in (re.search(r"\|mean\| (\d\.\d{3}) \(0 at init\); Dropout RNG count (\d+)", ln)
+                                 for ln in lines) if m)
+        assert float(moved[1]) > 0 and int(moved[2]) == 40
 
 
 def test_equinox_example_tracks_float32_with_state_and_the_scaler():

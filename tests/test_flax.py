@@ -277,5 +277,5 @@ def test_nnx_module_that_adds_a_variable_is_refused():
             self.cache = nnx.Variable(x)
             return x @ self.w
 
-    with pytest.raises(ValueError, match="changed the module's structure"):
+    with pytest.raises(ValueError, match="changed the structure of an NNX module"):
         jamp.autocast(Lazy(), dtype="bf16")(jnp.ones((2, 3)))

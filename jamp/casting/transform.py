@@ -20,7 +20,7 @@ import numpy as np
 
 from jamp import _jax_compat as jc
 from jamp._arguments import checked_bool, shown
-from jamp.casting import oplists, replay
+from jamp.casting import nnx_nodes, oplists, replay
 from jamp.casting.call import Context
 from jamp.casting.dtypes import ELIGIBLE_DTYPES, is_eligible, parse_dtype
 from jamp.casting.interpreter import trace_jaxpr
@@ -231,7 +231,9 @@ class Autocast:
         return self._call(args, kwargs)
 
     def _prepare(self, args: tuple, kwargs: dict):
-        """(cache key, dynamic leaves, signature for ``_original``/``_trace``) of one call."""
+        """(cache key, dynamic leaves, signature for ``_original``/``_trace``, the NNX graph nodes lifted out of
+        the arguments) of one call."""
+        args, kwargs, nodes = nnx_nodes.lift(args, kwargs)
         # as jax.jit: a negative index counts from the end of this call's positional arguments
         argnums = sorted({i % len(args) for i in self.static_argnums if -len(args) <= i < len(args)})
         static_args = tuple((i, args[i]) for i in argnums)
@@ -245,10 +247,10 @@ class Autocast:
         avals = tuple(jax.typeof(x) for x in dynamic)
         key = (treedef, dynamic_mask, static_leaves, static_args, static_kwargs, avals)
         signature = (avals, treedef, dynamic_mask, static_leaves, dict(static_args), dict(static_kwargs))
-        return key, dynamic, signature
+        return key, dynamic, signature, nodes
 
     def _call(self, args: tuple, kwargs: dict):
-        key, dynamic, signature = self._prepare(args, kwargs)
+        key, dynamic, signature, nodes = self._prepare(args, kwargs)
         try:
             with self._cache_lock:
                 entry = self._cache.get(key)
@@ -264,7 +266,9 @@ class Autocast:
                     self._cache[key] = entry
                     if len(self._cache) > _CACHE_SIZE:
                         self._cache.popitem(last=False)
-        return jax.tree.unflatten(entry.out_tree, entry.run(dynamic))
+        out, writes = jax.tree.unflatten(entry.out_tree, entry.run(dynamic))
+        nnx_nodes.write_back(nodes, writes)
+        return out
 
     # -- naming arguments in messages, counting traces ------------------------------------------------
     def _positional_name(self, i: int) -> str:
@@ -339,14 +343,14 @@ class Autocast:
     def rewrite(self, *args, recorder: Any = None, **kwargs) -> tuple[jc.ClosedJaxpr, Any]:
         """The rewritten program for these arguments and its output tree; ``recorder`` (see
         :mod:`jamp.tools.explanation`) sees every decision of a fresh, uncached rewrite."""
-        _, _, signature = self._prepare(args, kwargs)
+        _, _, signature, _ = self._prepare(args, kwargs)
         entry = self._trace(*signature, recorder=recorder)
         return entry.closed, entry.out_tree
 
     def call_key(self, *args, **kwargs) -> tuple[Any, list]:
         """(cache key, dynamic leaves) of a call as autocast's own cache sees it, for tools that cache
         their own programs per signature; the key is None when a static argument is unhashable."""
-        key, dynamic, _ = self._prepare(args, kwargs)
+        key, dynamic, _, _ = self._prepare(args, kwargs)
         try:
             hash(key)
         except TypeError:
@@ -355,7 +359,7 @@ class Autocast:
 
     def trace_original(self, *args, **kwargs) -> tuple[jc.ClosedJaxpr, list, Context]:
         """The function's own jaxpr, its dynamic arguments and the top-level context."""
-        _, dynamic, signature = self._prepare(args, kwargs)
+        _, dynamic, signature, _ = self._prepare(args, kwargs)
         closed, _ = self._original(*signature)
         return closed, dynamic, Context(self.policy, AUTOCAST, (), self.cache_enabled)
 
@@ -368,7 +372,7 @@ class Autocast:
             n = len(rest_args) + len(static_args)
             args = [static_args[i] if i in static_args else next(rest) for i in range(n)]
             try:
-                out = self._invoke(args, {**kwargs, **static_kwargs})
+                out = nnx_nodes.call(self._invoke, args, {**kwargs, **static_kwargs})
             except jax.errors.ConcretizationTypeError as error:
                 error.add_note(self._traced_note(error, rest_args, kwargs, static_args))
                 raise
@@ -383,10 +387,6 @@ class Autocast:
     def _invoke(self, args: list, kwargs: dict) -> Any:
         """Call the function being traced and return what the traced program outputs."""
         return self._checked_outputs(self.fun(*args, **kwargs))
-
-    def _n_outputs(self, out_tree) -> int:
-        """How many leading outputs are the function's own (a policy's ``output_dtype`` applies to them)."""
-        return out_tree.num_leaves
 
     def _checked_outputs(self, out: Any) -> Any:
         """``out``, if every leaf is a value jax.jit could return; else a TypeError that names the leaf."""
@@ -403,7 +403,7 @@ class Autocast:
                recorder: Any = None) -> _Entry:
         closed, out_tree = self._original(avals, treedef, dynamic_mask, static_leaves, static_args, static_kwargs)
         policy = self.policy
-        n_own = self._n_outputs(out_tree)
+        n_own = out_tree.children()[0].num_leaves  # the function's own outputs, before the NNX writes
         out_dtypes = tuple(policy.output_dtype if i < n_own and policy.output_dtype is not None
                            and is_eligible(a.dtype) else a.dtype for i, a in enumerate(closed.out_avals))
         ctx = Context(policy, AUTOCAST, (), self.cache_enabled, recorder)
@@ -493,9 +493,9 @@ def autocast(fun: Callable | None = None, /, *, dtype: Any = None, device_type: 
     if not callable(fun):
         raise TypeError(f"autocast()(fun) requires a callable, but got {type(fun).__name__}. "
                         "Use jamp.autocast(f)(*args) or @jamp.autocast.")
-    from jamp.casting import equinox_module, stateful  # they subclass Autocast
+    from jamp.casting import equinox_module, nnx_module  # they subclass Autocast
 
-    for bound_module, module_autocast in ((stateful.bound_module, stateful.ModuleAutocast),
+    for bound_module, module_autocast in ((nnx_module.bound_module, nnx_module.ModuleAutocast),
                                           (equinox_module.bound_module, equinox_module.EquinoxAutocast)):
         bound = bound_module(fun)
         if bound is not None:
