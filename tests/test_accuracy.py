@@ -9,8 +9,11 @@ A float32 program's reductions carry no upcast for autocast to keep (``jnp.sum``
 low-precision inputs): before reductions accumulated in float32, ``jnp.mean((x @ w - 1) ** 2)`` under the
 cpu policy was 19% away from float32 while the hand-cast program was 0.2% away, and nothing flagged it.
 
-XLA may keep float16/bfloat16 values in float32 between fused ops ("excess precision"), which flatters
-the two sides differently; every program here is compiled without it.
+Every program runs twice: compiled with XLA's default flags, which users run, and with
+``xla_allow_excess_precision=False``. By default XLA may keep float16/bfloat16 values in float32 between
+fused ops ("excess precision"); that flatters the two sides differently, and it once let one consumer of
+a value autocast rounds see it rounded and another unrounded, which made softmax cross-entropies
+negative. Losses that a float32 program cannot make negative are checked per example, on every policy.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ FACTOR = 2.0
 # A floor for errors that are tiny by luck (a handful of outputs whose rounding errors cancel): one
 # sixteenth of the low dtype's unit roundoff.
 FLOOR = {"bfloat16": 2.0**-8 / 16, "float16": 2.0**-11 / 16}
-COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+# compile mode -> XLA compiler options
+COMPILE_MODES = {"default": {}, "strict": {"xla_allow_excess_precision": False}}
 LOW_DTYPES = (jnp.float16, jnp.bfloat16)
 
 G, B, K, N = 4, 64, 256, 4096  # 4 independent batches of 64 rows; rows of 4096; 262144 elements a batch
@@ -111,8 +115,9 @@ def _program(f):
 
 
 @functools.cache
-def _run(case: str, variant: str):
-    """(output, grad x, grad w) of one variant: "float32", "hand:<dtype>" or "autocast:<policy>"."""
+def _run(case: str, variant: str, mode: str):
+    """(output, grad x, grad w) of one variant ("float32", "hand:<dtype>" or "autocast:<policy>"), compiled
+    in one of ``COMPILE_MODES``."""
     x, w, kc = _inputs()
     program = _program(CASES[case])
     kind, _, which = variant.partition(":")
@@ -126,7 +131,7 @@ def _run(case: str, variant: str):
         cotangent = jax.random.normal(kc, out.shape).astype(out.dtype)  # the same draw for every variant
         return (out, *vjp(cotangent))
 
-    compiled = jax.jit(forward_and_grads).lower(x, w).compile(COMPILER_OPTIONS)
+    compiled = jax.jit(forward_and_grads).lower(x, w).compile(COMPILE_MODES[mode])
     return tuple(np.asarray(v, np.float64) for v in compiled(x, w))
 
 
@@ -134,21 +139,98 @@ def _relative_error(value, reference) -> float:
     return float(np.linalg.norm((value - reference).ravel()) / np.linalg.norm(reference.ravel()))
 
 
-PARAMS = [(case, policy) for case in CASES for policy in POLICIES
+PARAMS = [(case, policy, mode) for mode in COMPILE_MODES for case in CASES for policy in POLICIES
           if (case, POLICIES[policy][1]) not in NO_YARDSTICK]
 
 
-@pytest.mark.parametrize("case, policy", PARAMS)
-def test_autocast_is_as_accurate_as_casting_by_hand(case, policy):
+@pytest.mark.parametrize("case, policy, mode", PARAMS)
+def test_autocast_is_as_accurate_as_casting_by_hand(case, policy, mode):
     dtype = POLICIES[policy][1]
-    reference = _run(case, "float32")
-    amp, hand = _run(case, f"autocast:{policy}"), _run(case, f"hand:{dtype}")
+    reference = _run(case, "float32", "strict")  # a float32 program has no low-precision value for the flag
+    amp, hand = _run(case, f"autocast:{policy}", mode), _run(case, f"hand:{dtype}", mode)
     for what, a, h, r in zip(("output", "grad x", "grad w"), amp, hand, reference):
         error, yardstick = _relative_error(a, r), _relative_error(h, r)
-        assert np.isfinite(error), f"{case} under {policy}: {what} is not finite"
+        assert np.isfinite(error), f"{case} under {policy} ({mode} flags): {what} is not finite"
         assert error <= FACTOR * yardstick + FLOOR[dtype], (
-            f"{case} under the {policy} policy: {what} is {error:.2e} away from float32, the same program on "
-            f"inputs cast by hand to {dtype} {yardstick:.2e}")
+            f"{case} under the {policy} policy, {mode} flags: {what} is {error:.2e} away from float32, the same "
+            f"program on inputs cast by hand to {dtype} {yardstick:.2e}")
+
+
+def _bounded_below_losses(w, b, x, labels):
+    """Per-example losses of a linear classifier that float32 arithmetic keeps >= 0 when every consumer of
+    the logits sees the same numbers: a log-sum-exp is at least the largest logit, a log-softmax at most 0;
+    a binary cross-entropy and a squared error are >= 0 term by term."""
+    logits = x @ w + b
+    targets = jax.nn.one_hot(labels, logits.shape[-1])
+    label_logit = jnp.take_along_axis(logits, labels[:, None], -1)[:, 0]
+    return {
+        "optax.softmax_cross_entropy_with_integer_labels": optax.softmax_cross_entropy_with_integer_labels(
+            logits, labels),
+        "optax.softmax_cross_entropy": optax.softmax_cross_entropy(logits, targets),
+        "-log_softmax at the label": -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], -1)[:, 0],
+        "logsumexp - label logit": jax.nn.logsumexp(logits, -1) - label_logit,
+        "optax.sigmoid_binary_cross_entropy": optax.sigmoid_binary_cross_entropy(logits, targets).sum(-1),
+        "optax.squared_error": optax.squared_error(logits, targets).sum(-1),
+    }
+
+
+@functools.cache
+def _classifier(examples: int, features: int, classes: int, scale: float):
+    """Weights, bias, inputs and the labels the float32 classifier predicts (a confident model: its losses
+    lie near 0, where a rounding that one consumer sees and another does not turns them negative)."""
+    kx, kw = jax.random.split(jax.random.key(examples))
+    x = jax.random.normal(kx, (examples, features))
+    w = jax.random.normal(kw, (features, classes)) * scale
+    b = jnp.linspace(-1, 1, classes)
+    return w, b, x, jnp.argmax(x @ w + b, -1)
+
+
+# (examples, features, classes, weight scale): issue 28's classifier, and a wider head with 512 classes
+CLASSIFIERS = {"4096x32 to 10": (4096, 32, 10, 1.0), "2048x128 to 512": (2048, 128, 512, 4 / np.sqrt(128))}
+
+
+def _evaluate_bounded_below(amp, form: str, args: tuple) -> dict:
+    """The losses of ``amp`` (an autocast of ``_bounded_below_losses``) by one of ``BOUNDED_BELOW_FORMS``."""
+    if form == "call":  # autocast's own executable
+        return amp(*args)
+    if form == "jit(value_and_grad)":  # the per-example losses of a differentiated step (autocast's replay)
+        def loss(*a):
+            losses = amp(*a)
+            return sum(v.mean() for v in losses.values()), losses
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(*args)[0][1]
+    mode = form.removeprefix("jit, ").removesuffix(" flags")
+    return jax.jit(amp).lower(*args).compile(COMPILE_MODES[mode])(*args)
+
+
+BOUNDED_BELOW_FORMS = ("call", "jit, default flags", "jit, strict flags", "jit(value_and_grad)")
+
+
+@pytest.mark.parametrize("classifier", CLASSIFIERS)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("form", BOUNDED_BELOW_FORMS)
+def test_losses_bounded_below_stay_bounded_per_example(form, policy, classifier):
+    """Every consumer of a value autocast rounds sees the same number, under XLA's default flags too: no
+    per-example loss that float32 keeps >= 0 comes out negative. (A bfloat16 logit read in float32 by the
+    log-sum-exp once skipped its rounding while the gathered label logit kept it.)"""
+    args = _classifier(*CLASSIFIERS[classifier])
+    losses = _evaluate_bounded_below(jamp.autocast(_bounded_below_losses, **POLICIES[policy][0]), form, args)
+    negative = {name: f"{int((v < 0).sum())} of {v.size}, min {float(v.min()):.3g}"
+                for name, v in losses.items() if not (np.asarray(v) >= 0).all()}
+    assert not negative, f"negative per-example losses under the {policy} policy ({form}): {negative}"
+
+
+def test_issue_28_cross_entropy_is_not_negative_under_default_flags():
+    """Issue 28's repro as reported: 425 of 4096 losses were negative (min -0.0625) under the cpu policy."""
+    x = jax.random.normal(jax.random.key(1), (4096, 32))
+    w = jax.random.normal(jax.random.key(2), (32, 10))
+    b = jnp.linspace(-1, 1, 10)
+    y = jnp.argmax(x @ w, -1)
+
+    def f(w, b, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(x @ w + b, y)
+
+    assert float(jax.jit(jamp.autocast(f, device_type="cpu"))(w, b, x, y).min()) >= 0.0
 
 
 def test_reductions_accumulate_in_float32_but_keep_their_result_dtype():

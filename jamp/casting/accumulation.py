@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from jamp._jax_compat import Var
+from jamp.casting import rounding
 from jamp.casting.dtypes import FLOAT32, is_low
 
 # Primitives whose result sums (or multiplies) many input elements, and broadcast_in_dim, whose transpose
@@ -57,13 +58,10 @@ def widened_dtype(eqn: Any, invals: list) -> Any:
 def widened_inputs(eqn: Any, invals: list, float32_of: Callable) -> list:
     """The float32 inputs a ``WIDENED`` primitive is bound on. A broadcast only moves elements, so it may
     start from the float32 value an input was rounded from (``float32_of``): the rounded result is the
-    same, one conversion fewer. A sum needs the rounded values it was given."""
-    widen = float32_of if eqn.primitive.name == "broadcast_in_dim" else _to_float32
+    same, one conversion fewer. A sum needs the rounded values it was given, the numbers the input's
+    other consumers see (:mod:`jamp.casting.rounding`)."""
+    widen = float32_of if eqn.primitive.name == "broadcast_in_dim" else rounding.to_float32
     return [widen(x) if is_low(getattr(x, "dtype", None)) else x for x in invals]
-
-
-def _to_float32(x: Any) -> Any:
-    return jax.lax.convert_element_type(x, FLOAT32)
 
 
 def broadcasts(eqn: Any, i: int, x: Any) -> bool:

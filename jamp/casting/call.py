@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import _jax_compat as jc
-from jamp.casting import accumulation, regions
+from jamp.casting import accumulation, regions, rounding
 from jamp.casting.dtypes import FLOAT32, is_eligible, is_low
 from jamp.casting.policy import Policy
 
@@ -40,11 +40,15 @@ class Context:
 
 
 def cast(x: Any, dtype) -> Any:
-    """Convert ``x`` to ``dtype`` unless it already is; literals stay literals."""
+    """Convert ``x`` to ``dtype`` unless it already is; literals stay literals. A float16/bfloat16 value
+    is read with its rounding explicit, so that XLA's excess precision cannot hand this reader another
+    number than the value's other consumers see (:mod:`jamp.casting.rounding`)."""
     if x.dtype == dtype:
         return x
     if isinstance(x, np.ndarray) or np.isscalar(x):
         return np.asarray(x).astype(dtype)
+    if is_low(x.dtype):
+        return rounding.widen(x, dtype)
     return jax.lax.convert_element_type(x, dtype)
 
 
@@ -88,10 +92,12 @@ class Env:
         return hit[1]
 
     def float32_of(self, x: Any) -> Any:
-        """``x`` in float32: the float32 value this evaluation rounded to ``x``, if it did (for ops that
-        only move elements, the same numbers without a round trip), else ``x`` converted."""
+        """``x`` in float32 for ops that only move elements and round the result back to ``x``'s dtype
+        (broadcasts): the float32 value this evaluation rounded to ``x``, if it did (the same numbers
+        without a round trip), else ``x`` converted, with no rounding step (what is rounded after is the
+        same number whether XLA kept ``x``'s rounding or not)."""
         hit = self._rounded_from.get(id(x))
-        return hit[1] if hit is not None and hit[0] is x else cast(x, FLOAT32)
+        return hit[1] if hit is not None and hit[0] is x else jax.lax.convert_element_type(x, FLOAT32)
 
     def size_before_broadcast(self, v: Any) -> int:
         return self.origin_size.get(v, int(np.prod(v.aval.shape)))

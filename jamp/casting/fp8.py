@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jamp.casting import rounding
 from jamp.casting.dtypes import exact_pow2
 
 # cuBLASLt's float8 GEMM needs the contracting and the free extents in multiples of 16 bytes (16 float8
@@ -66,7 +67,7 @@ def quantize(x: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
     maximum within the format. An all-zero ``x`` gets ``e = 0``; an ``x`` holding inf or NaN becomes all
     NaN with a NaN inverse scale, so the product is NaN, never finite garbage, and a loss scaler skips
     the step."""
-    x32 = x.astype(jnp.float32)
+    x32 = rounding.to_float32(x)  # the numbers a float16/bfloat16 x holds, as x's other consumers see them
     amax = jnp.max(jnp.abs(x32))
     mantissa, exponent = jnp.frexp(amax)               # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
     max_mantissa, max_exponent = np.frexp(fmt.max)     # e4m3fn: 448 = 0.875 * 2**9
