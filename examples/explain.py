@@ -47,7 +47,8 @@ def main():
 
     print("2. jamp.find_overflow: the first op whose float16 result is inf/NaN where float32's is finite.")
     step = jax.value_and_grad(loss_fn)
-    print("   Checking the block's forward and backward pass (it compiles the float32 and float16 programs: a few seconds)...")
+    print("   Checking the block's forward and backward pass (it compiles the float32 and float16 programs: "
+          "a few seconds)...")
     clean = jamp.find_overflow(step, device_type="gpu", min_underflow=1.0)(params, x, labels, Block())
     print(f"   {clean or 'No overflow: every float16 result is finite where float32 is.'}")
     print("   Now with the MLP's activations multiplied by 30000, past float16's largest value (65504)...")

@@ -48,7 +48,7 @@ def train(loss, tx, params, inputs, labels):
             value = loss(p, inputs, labels)
             return jamp.scale(value, opt_state), value  # differentiate the scaled loss, keep the loss
 
-        grads, value = jax.grad(scaled_loss, has_aux=True)(params)  # scaled gradients
+        (_, value), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)  # scaled gradients
         updates, opt_state = tx.update(grads, opt_state, params)  # unscale, check, step or skip, new scale
         return optax.apply_updates(params, updates), opt_state, value
 

@@ -50,7 +50,8 @@ MODULE_NAMES: dict[str, str] = {
                      "is_autocast_cache_enabled", "set_autocast_cache_enabled", "clear_autocast_cache"),
                     _NO_GLOBAL_STATE),
     # jmp and flax
-    **dict.fromkeys(("DynamicLossScale", "StaticLossScale", "DynamicScale"), f"jamp's dynamic loss scaling is jamp.scaler(optimizer); {_SCALER}"),
+    **dict.fromkeys(("DynamicLossScale", "StaticLossScale", "DynamicScale"),
+                    f"jamp's dynamic loss scaling is jamp.scaler(optimizer); {_SCALER}"),
     **dict.fromkeys(("all_finite", "select_tree"),
                     "not needed: tx = jamp.scaler(optimizer) checks the gradients and skips the step in tx.update"),
 }

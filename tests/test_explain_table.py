@@ -73,6 +73,8 @@ def test_table_never_breaks_a_file_and_line(deep_report, full, width):
 
 def test_fitted_source_cuts_directories_from_the_left_only():
     source = f"{DEEP_FILE}:{SOURCE_LINE} (classifier_head_loss)"
-    assert fitted_source(source, width=49) == "…/checkpoints_and_models/model_definitions.py:400 (classifier_head_loss)"
-    assert fitted_source(source, width=10) == "…/model_definitions.py:400 (classifier_head_loss)"  # file and line whole
+    shown = "…/checkpoints_and_models/model_definitions.py:400 (classifier_head_loss)"
+    assert fitted_source(source, width=49) == shown
+    # however narrow, the file and line stay whole
+    assert fitted_source(source, width=10) == "…/model_definitions.py:400 (classifier_head_loss)"
     assert fitted_source("model.py:3 (loss)") == "model.py:3 (loss)" and fitted_source("") == ""
