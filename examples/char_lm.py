@@ -121,7 +121,11 @@ def train(name: str, apply: Callable, params: dict, data: np.ndarray, scaling: b
 
     @jax.jit
     def step(params, opt_state, window):
-        loss, grads = jamp.value_and_grad(functools.partial(loss_fn, apply))(opt_state, params, window)
+        def scaled_loss(p):
+            loss = loss_fn(apply, p, window)
+            return jamp.scale(loss, opt_state), loss  # the identity when the scaler is disabled
+
+        (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)  # clip sees unscaled grads
         return optax.apply_updates(params, updates), opt_state, loss
 

@@ -54,7 +54,11 @@ def make_optimizer() -> optax.GradientTransformation:
 
 def make_step(tx: optax.GradientTransformation):
     def step(params, opt_state, x, y):
-        loss, grads = jamp.value_and_grad(loss_fn)(opt_state, params, x, y)  # this replica's scaled grads
+        def scaled_loss(p):
+            loss = loss_fn(p, x, y)
+            return jamp.scale(loss, opt_state), loss
+
+        (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)  # this replica's scaled grads
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXIS)
 

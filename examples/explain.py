@@ -10,6 +10,7 @@ import jax
 import optax
 
 import jamp
+from jamp.tools.sources import short_source
 
 
 class Block(nn.Module):
@@ -36,20 +37,27 @@ def main():
     labels = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
     params = Block().init(jax.random.key(2), x)
 
+    print("1. jamp.explain: what ran in which dtype, under the GPU policy (float16 matmuls), by module path\n")
     report = jamp.explain(Block().apply, device_type="gpu")(params, x)
-    for row in report.rows:
-        if row.primitive == "dot_general":
-            print(f"dot_general  {row.path:45s} ran on {', '.join(row.ran_dtypes)}  ({row.rule})")
-    print("summary:", {k: round(v, 3) if isinstance(v, float) else v for k, v in report.summary.items()})
+    print(report)
+    dots = [row for row in report.rows if row.primitive == "dot_general"]
+    norms = {row.path for row in report.rows if "LayerNorm" in row.path}
+    print(f"{sum(row.low_precision for row in dots)} of {len(dots)} matmuls ran in float16; "
+          f"{' and '.join(sorted(norms))} ran in float32 (the GPU list's LayerNorm rule).\n")
 
+    print("2. jamp.find_overflow: the first op whose float16 result is inf/NaN where float32's is finite.")
     step = jax.value_and_grad(loss_fn)
+    print("   Checking the block's forward and backward pass (it compiles the float32 and float16 programs: "
+          "a few seconds)...")
     clean = jamp.find_overflow(step, device_type="gpu", min_underflow=1.0)(params, x, labels, Block())
-    print("clean block, forward and backward:", clean or "no overflow")
+    print(f"   {clean or 'No overflow: every float16 result is finite where float32 is.'}")
+    print("   Now with the MLP's activations multiplied by 30000, past float16's largest value (65504)...")
     finding = jamp.find_overflow(step, device_type="gpu", min_underflow=1.0)(
         params, x, labels, Block(activation_gain=3e4))
-    print("injected overflow:", finding)
-    print(f"RESULT explain_rows={len(report.rows)} overflow_at={finding.path if finding else None}")
-
+    print(f"   Found: {finding}")
+    if finding is not None:
+        print(f"   {short_source(finding.source)} is the line to change: scale the activations down there, or "
+              "keep that region in float32 with a policy rule.")
 
 if __name__ == "__main__":
     main()

@@ -63,7 +63,11 @@ def fsdp_shardings(tree, mesh: jax.sharding.Mesh):
 def make_step(tx: optax.GradientTransformation):
     @jax.jit
     def step(params, opt_state, x, y):
-        loss, grads = jamp.value_and_grad(loss_fn)(opt_state, params, x, y)
+        def scaled_loss(p):
+            loss = loss_fn(p, x, y)
+            return jamp.scale(loss, opt_state), loss
+
+        (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)  # scaled grads
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

@@ -1,6 +1,12 @@
-"""jamp quickstart: train a small MLP classifier under autocast and show which ops ran in which dtype.
+"""jamp quickstart: both halves of torch.amp, autocast and GradScaler, training a small MLP classifier.
 
     python examples/quickstart.py
+
+``jamp.autocast`` runs the matmuls in float16 with torch's CUDA op lists (a policy is chosen by name and
+runs on any machine, a CPU included), and ``jamp.scaler`` wraps the optimizer as torch's GradScaler does:
+the loss is scaled before differentiation, and each update unscales the gradients, skips the step if they
+overflowed and moves the scale. The float32 run uses the same training step with the scaler disabled
+(torch's ``GradScaler(enabled=False)``).
 """
 
 from __future__ import annotations
@@ -10,9 +16,10 @@ import collections
 import jax
 import jax.numpy as jnp
 import optax
-from jax.extend import core as jcore
 
 import jamp
+
+STEPS = 60
 
 
 def init_mlp(key, sizes):
@@ -27,42 +34,38 @@ def mlp(params, x):
     return x @ params[-1]["w"] + params[-1]["b"]
 
 
-def loss_fn(params, x, y, model=jamp.autocast(mlp, device_type="gpu")):  # float16 matmuls, CUDA op lists
-    logits = model(params, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+def loss_fn(params, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(mlp(params, x), y).mean()
 
 
-def train(model, params, inputs, labels, steps=60):
-    optimizer = optax.adam(3e-3)
-    opt_state = optimizer.init(params)
+def train(loss, tx, params, inputs, labels):
+    """``STEPS`` full-batch steps of ``loss`` with ``tx``; the losses, the final state and the skipped steps."""
+    opt_state = tx.init(params)
 
     @jax.jit
     def step(params, opt_state):
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, labels, model)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        def scaled_loss(p):
+            value = loss(p, inputs, labels)
+            return jamp.scale(value, opt_state), value  # differentiate the scaled loss, keep the loss
 
-    losses = []
-    for _ in range(steps):
-        params, opt_state, loss = step(params, opt_state)
-        losses.append(float(loss))
+        (_, value), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)  # scaled gradients
+        updates, opt_state = tx.update(grads, opt_state, params)  # unscale, check, step or skip, new scale
+        return optax.apply_updates(params, updates), opt_state, value
+
+    losses, skipped = [], 0
+    for _ in range(STEPS):
+        params, opt_state, value = step(params, opt_state)
+        losses.append(float(value))
+        skipped += bool(jamp.found_inf(opt_state))
     accuracy = float(jnp.mean(jnp.argmax(mlp(params, inputs), -1) == labels))
-    return losses, accuracy
+    return losses, accuracy, opt_state, skipped
 
 
-def op_mix(fun, *args):
-    """Count (primitive, output dtype) over every equation, sub-jaxprs included."""
-    counts = collections.Counter()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.outvars and hasattr(eqn.outvars[0].aval, "dtype"):
-                counts[(eqn.primitive.name, str(eqn.outvars[0].aval.dtype))] += 1
-            for sub in jcore.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fun)(*args).jaxpr)
-    return counts
+def ran_in(report, primitive):
+    """'float16: 8' for the rows of ``primitive``: how many ran on each floating input dtype."""
+    counts = collections.Counter(", ".join(sorted({d for d in r.ran_dtypes if "float" in d}))
+                                 for r in report.rows if r.primitive == primitive)
+    return "  ".join(f"{dtype}: {n}" for dtype, n in sorted(counts.items()))
 
 
 def main():
@@ -72,19 +75,27 @@ def main():
     labels = jax.random.randint(key_data, (1024,), 0, 10)
     inputs = centers[labels] + jax.random.normal(jax.random.key(1), (1024, 32))
 
-    amp_losses, amp_acc = train(jamp.autocast(mlp, device_type="gpu"), params, inputs, labels)
-    ref_losses, ref_acc = train(mlp, params, inputs, labels)
-    print("step   float32 loss   autocast(float16) loss")
-    for i in range(0, 60, 10):
-        print(f"{i:4d}   {ref_losses[i]:12.4f}   {amp_losses[i]:12.4f}")
-    print(f"train accuracy: float32 {ref_acc:.3f}, autocast {amp_acc:.3f}")
+    amp_loss = jamp.autocast(loss_fn, device_type="gpu")  # float16 matmuls, torch's CUDA op lists
+    ref_losses, ref_acc, _, _ = train(loss_fn, jamp.scaler(optax.adam(3e-3), enabled=False), params, inputs, labels)
+    amp_losses, amp_acc, amp_state, skipped = train(amp_loss, jamp.scaler(optax.adam(3e-3)), params, inputs, labels)
 
-    print("\nops of one training step (forward + backward) by output dtype:")
-    mix = op_mix(jax.grad(loss_fn), params, inputs, labels)
-    for prim in ("dot_general", "add", "max", "exp", "log", "reduce_sum", "convert_element_type"):
-        row = {d: n for (p, d), n in mix.items() if p == prim}
-        print(f"  {prim:22s} " + "  ".join(f"{d}: {n}" for d, n in sorted(row.items())))
-    grads = jax.grad(loss_fn)(params, inputs, labels)
+    print("training loss, float32 beside float16 autocast + jamp.scaler, from the same initial parameters:")
+    print("step   float32   float16 AMP")
+    for i in range(0, STEPS, 10):
+        print(f"{i:4d}   {ref_losses[i]:7.4f}   {amp_losses[i]:11.4f}")
+    print(f"train accuracy: float32 {ref_acc:.3f}, float16 AMP {amp_acc:.3f}")
+    print(f"loss scale: 65536 -> {float(jamp.get_scale(amp_state)):.0f}, {skipped} of {STEPS} steps skipped")
+    print("A good result: the two loss columns fall together and agree to about three decimals, the accuracies\n"
+          "match, and few steps are skipped (a skip is a step whose float16 gradients overflowed at the current\n"
+          "scale: the scaler drops it and halves the scale). Columns that drift apart or show nan mean an op ran\n"
+          "in too narrow a dtype; jamp.find_overflow(amp_loss)(params, x, y) names the first one.")
+
+    print("\nwhat one training step (forward + backward) ran in, from jamp.explain:")
+    report = jamp.explain(jax.grad(loss_fn), device_type="gpu")(params, inputs, labels)
+    for primitive in ("dot_general", "add", "exp", "log", "reduce_sum"):
+        print(f"  {primitive:12s} {ran_in(report, primitive)}")
+    print("The matmuls (dot_general) ran in float16, the softmax cross-entropy's exp, log and sums in float32.")
+    grads = jax.grad(amp_loss)(params, inputs, labels)
     print("gradient dtypes:", sorted({str(g.dtype) for g in jax.tree.leaves(grads)}))
 
 

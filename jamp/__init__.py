@@ -43,3 +43,10 @@ __all__ = [
     "explain",
     "find_overflow",
 ]
+
+
+def __getattr__(name: str):
+    """torch.amp's names (``jamp.GradScaler``, ``jamp.is_autocast_enabled``, ...) fail with what to write instead."""
+    from jamp import _torch_names
+
+    raise _torch_names.missing_attribute(name)

@@ -95,6 +95,32 @@ def test_markers_are_well_formed(path: Path):
                 f"{path}:{block.line}: expected output must follow a python block that runs")
 
 
+# Columns of a code block that a 1280 px wide browser shows without scrolling (mkdocs-material's content
+# column shows 81); `text` blocks wrap instead (docs/stylesheets/extra.css), a `mermaid` block is a diagram.
+CODE_COLUMNS = 80
+
+
+@pytest.mark.parametrize("path", [*PAGES, ROOT / "README.md"], ids=lambda p: p.name if p.parent == ROOT else
+                         _page_id(p))
+def test_code_lines_fit_the_page(path: Path):
+    long = [f"{path.name}:{block.line + i + 1}: {len(line)} columns" for block in blocks(path)
+            if block.lang not in ("text", "mermaid") for i, line in enumerate(block.code.splitlines())
+            if len(line) > CODE_COLUMNS]
+    assert not long, f"code lines wider than {CODE_COLUMNS} columns hide behind a scrollbar: {long}"
+
+
+def test_table_code_breaks_after_punctuation_and_never_inside_a_short_name():
+    """docs/code_in_tables.py: a narrow column splits `enabled=False` at `=`, never into `enabled=Fa` / `lse`."""
+    spec = importlib.util.spec_from_file_location("code_in_tables", DOCS / "code_in_tables.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    assert hook.with_breaks("jamp.autocast(enabled=False):") == "jamp.<wbr>autocast(<wbr>enabled=<wbr>False):"
+    assert hook.with_breaks("regularized_incomplete_beta") == "regularized_<wbr>incomplete_<wbr>beta"
+    assert hook.with_breaks("device_type=&quot;cuda&quot;, dtype=...") == "device_type=<wbr>&quot;cuda&quot;, dtype=..."
+    page = "<p><code>a.b</code></p><table><tr><td><code>a.b</code></td></tr></table>"
+    assert hook.on_page_content(page) == "<p><code>a.b</code></p><table><tr><td><code>a.<wbr>b</code></td></tr></table>"
+
+
 def test_skipped_blocks_are_rare():
     all_python = [b for p in PAGES for b in blocks(p) if b.lang == "python"]
     skipped = [b for b in all_python if b.mark == "skip"]
@@ -232,7 +258,7 @@ def test_mkdocs_build_strict(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     listed = {p for row in oplists.OP_TABLE for p in row.primitives}
     for device in oplists.DEVICE_TYPES:
-        html = (site / "op-reference" / device / "index.html").read_text()
+        html = (site / "op-reference" / device / "index.html").read_text().replace("<wbr>", "")  # code_in_tables.py
         missing = sorted(p for p in listed if f"<code>{p}</code>" not in html)
         assert not missing, f"op-reference/{device}: {missing}"
         assert "<!-- jamp:" not in html

@@ -121,16 +121,29 @@ def test_equinox_example_tracks_float32_with_state_and_the_scaler():
 
 def test_explain_example_reports_low_precision_matmuls_and_finds_the_injected_overflow():
     lines = run_example("explain.py")
-    assert re.fullmatch(r"RESULT explain_rows=\d+ overflow_at=Block", lines[-1]), lines[-1]
-    dots = [line for line in lines if line.startswith("dot_general")]
-    assert len(dots) == 9 and all("ran on float16, float16" in line for line in dots)
-    assert "clean block, forward and backward: no overflow" in lines
-    assert any(line.startswith("injected overflow: overflow in mul") and "explain.py:" in line for line in lines)
+    rows = {m[1]: m[2] for m in (re.fullmatch(r" (Block/\S+)\s+\d+\s+(.+?)\s{3,}.*", ln) for ln in lines) if m}
+    assert rows["Block/mlp_in"] == rows["Block/lm_head"] == "f16 2, f32 1" and rows["Block/LayerNorm_0"] == "f32 18"
+    assert "9 of 9 matmuls ran in float16; Block/LayerNorm_0 and Block/LayerNorm_1 ran in float32 (the GPU list's " \
+           "LayerNorm rule)." in lines
+    slow = [i for i, ln in enumerate(lines) if ln.endswith("...")]  # a progress line before each slow search
+    assert len(slow) == 2 and lines[slow[0] + 1] == "   No overflow: every float16 result is finite where float32 is."
+    assert re.fullmatch(r"   Found: overflow in mul \(op #\d+\) at explain\.py:\d+ \(Block\.__call__\) \[Block\]: .*",
+                        lines[slow[1] + 1])
+    assert re.fullmatch(r"   explain\.py:\d+ \(Block\.__call__\) is the line to change: .*", lines[-1])
+    assert not any(ln.startswith("RESULT") for ln in lines)
 
 
-def test_quickstart_trains_and_matches_float32():
+def test_quickstart_trains_with_autocast_and_the_scaler_and_matches_float32():
     lines = run_example("quickstart.py")
     accuracy = next(line for line in lines if line.startswith("train accuracy"))
     fp32, amp = (float(v) for v in re.findall(r"\d\.\d{3}", accuracy))
     assert fp32 > 0.9 and abs(fp32 - amp) < 0.02
+    losses = [ln.split() for ln in lines if re.fullmatch(r"\s*\d+\s+\d+\.\d{4}\s+\d+\.\d{4}", ln)]
+    assert [int(row[0]) for row in losses] == list(range(0, 60, 10))
+    assert all(abs(float(ref) - float(amp)) < 0.005 for _, ref, amp in losses)  # "about three decimals"
+    assert re.fullmatch(r"loss scale: 65536 -> \d+, \d+ of 60 steps skipped", next(
+        ln for ln in lines if ln.startswith("loss scale")))
+    assert any(ln.startswith("A good result: ") for ln in lines)  # the table is explained
+    ran = {ln.split()[0]: ln.split(None, 1)[1] for ln in lines if ln.startswith("  ")}
+    assert re.fullmatch(r"float16: \d+", ran["dot_general"]) and ran["exp"] == ran["log"] == "float32: 1"
     assert "gradient dtypes: ['float32']" in lines

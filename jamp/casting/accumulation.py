@@ -33,9 +33,8 @@ from jamp.casting.dtypes import FLOAT32, is_low
 # does: bound on float32, result rounded once. Max, min and sorts are exact in any dtype; matmuls and
 # convolutions accumulate in float32 in the backends (their result dtype is ``preferred_element_type``);
 # scatters keep their recorded dtypes (``default`` category).
-WIDENED = frozenset({
-    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum", "broadcast_in_dim",
-})
+ACCUMULATING = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum"})
+WIDENED = ACCUMULATING | {"broadcast_in_dim"}
 # Elementwise primitives that broadcast size-1 dimensions of an operand (``x + bias[None, None]``).
 BROADCASTING = frozenset({"add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem"})
 

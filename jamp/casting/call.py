@@ -116,6 +116,7 @@ class Call:
     env: Env
     comps: tuple[str, ...]
     bound: list | None = None  # the inputs the primitive finally ran on
+    widened_to: Any = None  # float32 where bind ran a float16/bfloat16 op on float32 (accumulation; jamp.explain)
 
     @property
     def params(self) -> dict:
@@ -132,6 +133,7 @@ class Call:
             return self.bind_with(invals, params)
         out = self.bind_with(accumulation.widened_inputs(self.eqn, invals, self.env.float32_of), params)
         self.bound = invals  # what the op list gave it (jamp.explain); the sum itself ran in float32
+        self.widened_to = FLOAT32
         return cast(out, low)
 
     def cast_operand(self, i: int, dtype) -> Any:

@@ -55,9 +55,11 @@ def _check_mode(mode: str, where: str) -> str:
 class Policy:
     """Immutable and hashable (a jit static argument, a cache key).
 
-    Build one with :func:`get_policy` or by adjusting a built-in::
+    Build one with :func:`get_policy` or by adjusting a built-in:
 
-        jamp.get_policy("gpu").with_rules({"*lm_head*": "float32"})
+    ```python
+    jamp.get_policy("gpu").with_rules({"*lm_head*": "float32"})
+    ```
     """
 
     compute_dtype: np.dtype

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import _jax_compat as jc
+from jamp import _torch_names as torch_names
 from jamp._arguments import checked_bool, shown
 from jamp.casting import nnx_nodes, oplists, replay
 from jamp.casting.call import Context
@@ -491,8 +492,7 @@ def autocast(fun: Callable | None = None, /, *, dtype: Any = None, device_type: 
     if fun is None:
         return AutocastSpec(options)
     if not callable(fun):
-        raise TypeError(f"autocast()(fun) requires a callable, but got {type(fun).__name__}. "
-                        "Use jamp.autocast(f)(*args) or @jamp.autocast.")
+        raise torch_names.autocast_needs_a_function(fun, options, _DEFAULT_OPTIONS)
     from jamp.casting import equinox_module, nnx_module  # they subclass Autocast
 
     for bound_module, module_autocast in ((nnx_module.bound_module, nnx_module.ModuleAutocast),

@@ -13,10 +13,10 @@ from typing import Any
 import jax.numpy as jnp
 
 from jamp import _jax_compat as jc
-from jamp.casting import oplists
+from jamp.casting import accumulation, oplists
 from jamp.casting.call import MATMUL_LIKE, Call
 from jamp.casting.transform import autocast
-from jamp.tools.sources import short_source
+from jamp.tools.sources import fitted_source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +29,7 @@ class OpRecord:
     traced_dtypes: tuple         # input dtypes as the function was traced
     arrived_dtypes: tuple        # input dtypes that reached the equation under autocast
     ran_dtypes: tuple            # input dtypes the primitive ran on, after jamp's casts
+    accumulated_in: str          # "float32" for a float16/bfloat16 sum that accumulated in float32, else ""
     out_dtypes: tuple
     traced_out_dtypes: tuple
     category: str                # the policy's category of the primitive
@@ -87,6 +88,8 @@ class Recorder:
             traced_dtypes=tuple(str(v.aval.dtype) for v in eqn.invars),
             arrived_dtypes=_dtypes(call.invals),
             ran_dtypes=_dtypes(ran),
+            accumulated_in=(str(call.widened_to) if call.widened_to is not None
+                            and eqn.primitive.name in accumulation.ACCUMULATING else ""),
             out_dtypes=_dtypes(outs),
             traced_out_dtypes=tuple(str(v.aval.dtype) for v in eqn.outvars),
             category=call.ctx.policy.category(eqn.primitive.name),
@@ -147,17 +150,19 @@ class Report:
                       box=box.SIMPLE_HEAD, pad_edge=False)
         columns = COLUMNS if full else REGION_COLUMNS
         for column in columns:
-            table.add_column(column, overflow="fold", justify="right" if column in ("ops", "casts") else "left")
+            table.add_column(column, overflow="fold", no_wrap=column in _WHOLE,
+                             justify="right" if column in ("ops", "casts") else "left")
         if full:
             for row in rows:
-                d = dict(zip(OpRecord.__annotations__, dataclasses.astuple(row)), source=short_source(row.source))
+                d = dict(zip(OpRecord.__annotations__, dataclasses.astuple(row)), ran_dtypes=_ran(row),
+                         source=fitted_source(row.source))
                 table.add_row(*(", ".join(d[c]) if isinstance(d[c], tuple) else str(d[c]) for c in columns))
             return table
         for path, group in _by_path(rows).items():
             table.add_row(path or "<top>", str(len(group)), _tally(d for r in group for d in _ran_floats(r)),
                           _tally(r.rule for r in group if r.rule != oplists.PASSTHROUGH) or "-",
                           str(sum(r.casts for r in group)),
-                          next((short_source(r.source).split(" (")[0] for r in group if r.source), ""))
+                          next((fitted_source(r.source).split(" (")[0] for r in group if r.source), ""))
         return table
 
     def to_text(self, *, full: bool = False, width: int | None = None) -> str:
@@ -179,6 +184,9 @@ class Report:
 
 # "decided": the policy's rules that ran there, without passthrough (ops that take whatever dtype arrives).
 REGION_COLUMNS = ("path", "ops", "ran in", "decided", "casts", "source")
+# Columns never wrapped (the others wrap at spaces, or fold): names and numbers read wrong in pieces, and a
+# source's file:line cut in two points elsewhere. The source comes last, its directories cut from the left.
+_WHOLE = frozenset({"primitive", "rule", "ops", "casts", "source"})
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
 
 
@@ -190,8 +198,16 @@ def _by_path(rows: list[OpRecord]) -> dict[str, list[OpRecord]]:
     return groups
 
 
+def _ran(row: OpRecord) -> str:
+    """The input dtypes, and where a low-precision sum accumulated: 'bfloat16 (accumulates in float32)'."""
+    return ", ".join(row.ran_dtypes) + (f" (accumulates in {row.accumulated_in})" if row.accumulated_in else "")
+
+
 def _ran_floats(row: OpRecord) -> set[str]:
-    return {_SHORT.get(d, d) for d in row.ran_dtypes if d.startswith(("float", "bfloat"))}
+    """The floating input dtypes, short: {'bf16'}, or {'bf16 (acc f32)'} for a sum that accumulated in float32."""
+    acc = f" (acc {_SHORT[row.accumulated_in]})" if row.accumulated_in else ""
+    return {_SHORT.get(d, d) + (acc if d in ("float16", "bfloat16") else "") for d in row.ran_dtypes
+            if d.startswith(("float", "bfloat"))}
 
 
 def _tally(values) -> str:

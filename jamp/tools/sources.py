@@ -30,3 +30,18 @@ def short_source(source: str) -> str:
     """A ``'file:line (function)'`` location (``OpRecord.source``, ``Finding.source``) with a short path."""
     m = _LOCATION.fullmatch(source)
     return f"{short_path(m['file'])}:{m['line']}{m['rest']}" if m else source
+
+
+def fitted_source(source: str, width: int = 40) -> str:
+    """:func:`short_source` with its directories cut from the left (``…/linen/linear.py:287 (Dense.__call__)``)
+    until its ``file:line`` fits ``width`` characters: a table shows the file and line whole, however narrow."""
+    short = short_source(source)
+    m = _LOCATION.fullmatch(short)
+    if m is None or len(f"{m['file']}:{m['line']}") <= width:
+        return short
+    *dirs, tail = m["file"].split(os.sep)
+    for part in reversed(dirs):
+        if len(f"…{os.sep}{part}{os.sep}{tail}:{m['line']}") > width:
+            break
+        tail = f"{part}{os.sep}{tail}"
+    return f"…{os.sep}{tail}:{m['line']}{m['rest']}"

@@ -1,0 +1,101 @@
+"""What to write in jamp for the torch.amp names a PyTorch user tries first.
+
+``jamp.GradScaler()`` or ``jamp.autocast("cuda")`` is a habit, not a typo, so the error says what the
+jamp form is instead of only that the name is missing. The names are torch.amp's public API (torch 2.x
+``torch.amp``/``torch.autocast``, the 1.x ``torch.cuda.amp`` aliases) and the loss-scaling names of the
+JAX libraries people come from (jmp, flax); docs/torch-amp.md maps every API side by side.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from jamp.casting import oplists
+from jamp.casting.dtypes import DTYPE_NAMES
+
+_SCALER = ("the scaler is an optax transformation that wraps your optimizer: tx = jamp.scaler(optax.adam(1e-3)), "
+           "opt_state = tx.init(params); in each step differentiate jamp.scale(loss, opt_state) (torch's "
+           "scaler.scale(loss).backward()), then updates, opt_state = tx.update(grads, opt_state, params) "
+           "unscales, checks for inf/NaN, steps or skips and moves the scale (scaler.step and scaler.update)")
+_NO_GLOBAL_STATE = ("jamp keeps no global autocast state: autocast is a function transformation, and what it "
+                    "runs in which dtype is an argument, jamp.autocast(fn, device_type='gpu', dtype=jnp.float16). "
+                    "To see the dtypes: jamp.explain(fn, device_type='gpu')(*args); the default dtype of a "
+                    "device: jamp.get_policy('gpu').compute_dtype")
+_AUTOCAST = "jamp.autocast(fn, device_type='gpu', dtype=jnp.float16) or @jamp.autocast(device_type='gpu')"
+
+# name looked up on the jamp module -> what to write instead
+MODULE_NAMES: dict[str, str] = {
+    "GradScaler": f"jamp has no GradScaler class; {_SCALER}",
+    "ShardedGradScaler": (f"jamp has no ShardedGradScaler; {_SCALER}. Under jax.jit with sharded arrays the "
+                          "check covers the global gradients; under pmap/shard_map pass "
+                          "jamp.scaler(optimizer, axis_name=...)"),
+    "custom_bwd": ("not needed: the backward rule of a jax.custom_vjp runs under the same autocast state as its "
+                   "forward; decorate the custom_vjp function with jamp.custom_fwd(fn, cast_inputs=jnp.float32) "
+                   "to run both in one precision"),
+    "amp": f"jamp is torch.amp: torch.amp.autocast is {_AUTOCAST}, torch.amp.GradScaler is jamp.scaler(optimizer)",
+    "autocast_mode": f"torch.amp.autocast_mode.autocast is {_AUTOCAST}",
+    "grad_scaler": "torch.amp.grad_scaler.GradScaler is jamp.scaler(optimizer)",
+    "cuda": f"jamp has no per-device modules: torch.cuda.amp.autocast is {_AUTOCAST}, "
+            "torch.cuda.amp.GradScaler is jamp.scaler(optimizer)",
+    "cpu": "jamp has no per-device modules: torch.cpu.amp.autocast is jamp.autocast(fn, device_type='cpu') "
+           "(bfloat16 by default)",
+    "is_autocast_available": ("every device_type ('gpu'/'cuda', 'cpu', 'tpu') is available: a policy picks op "
+                              "lists and never checks which hardware is present"),
+    **dict.fromkeys(("is_autocast_enabled", "set_autocast_enabled", "get_autocast_dtype", "set_autocast_dtype",
+                     "get_autocast_gpu_dtype", "set_autocast_gpu_dtype", "get_autocast_cpu_dtype",
+                     "set_autocast_cpu_dtype", "is_autocast_cpu_enabled", "set_autocast_cpu_enabled",
+                     "is_autocast_cache_enabled", "set_autocast_cache_enabled", "clear_autocast_cache"),
+                    _NO_GLOBAL_STATE),
+    # jmp and flax
+    **dict.fromkeys(("DynamicLossScale", "StaticLossScale", "DynamicScale"),
+                    f"jamp's dynamic loss scaling is jamp.scaler(optimizer); {_SCALER}"),
+    **dict.fromkeys(("all_finite", "select_tree"),
+                    "not needed: tx = jamp.scaler(optimizer) checks the gradients and skips the step in tx.update"),
+}
+
+
+def missing_attribute(name: str) -> AttributeError:
+    """The error for ``jamp.<name>``: what to write instead for a torch.amp name, Python's own message otherwise
+    (``name`` and ``obj`` set, so Python still suggests a close spelling)."""
+    module = sys.modules["jamp"]
+    hint = MODULE_NAMES.get(name)
+    message = f"jamp.{name}: {hint}" if hint else f"module 'jamp' has no attribute {name!r}"
+    return AttributeError(message, name=name, obj=module)
+
+
+_TORCH_DTYPES = {"torch.float16": "float16", "torch.half": "float16", "torch.bfloat16": "bfloat16"}
+
+
+def _keyword_value(name: str, value: Any) -> str:
+    """An autocast keyword as the user would write it: dtypes as ``jnp.float16`` (torch's included)."""
+    if name != "dtype":
+        return repr(value)
+    spelled = _TORCH_DTYPES.get(str(value), DTYPE_NAMES.get(value, value) if isinstance(value, str) else value)
+    try:
+        return f"jnp.{np.dtype(spelled).name}"
+    except TypeError:
+        return repr(value)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return value is default or (type(value) is type(default) and value == default)
+
+
+def autocast_needs_a_function(fun: Any, options: dict[str, Any], defaults: dict[str, Any]) -> TypeError:
+    """The error for ``jamp.autocast(fun, **options)`` with a ``fun`` that is not callable. A string is torch's
+    positional ``device_type`` (``torch.autocast("cuda", dtype=torch.float16)``), or a dtype: the message
+    shows the call with it as a keyword, beside the keywords given that differ from ``defaults``."""
+    if not isinstance(fun, str):
+        return TypeError(f"autocast()(fun) requires a callable, but got {type(fun).__name__}. "
+                         "Use jamp.autocast(f)(*args) or @jamp.autocast.")
+    keyword = "dtype" if fun in DTYPE_NAMES and fun not in oplists.DEVICE_ALIASES else "device_type"
+    given = {keyword: fun, **{k: v for k, v in options.items() if k != keyword and not _is_default(v, defaults[k])}}
+    keywords = ", ".join(f"{k}={_keyword_value(k, v)}" for k, v in given.items())
+    return TypeError(
+        f"jamp.autocast({fun!r}, ...): {keyword} is a keyword argument; the only positional argument is the "
+        f"function to transform. Write jamp.autocast(fn, {keywords})(*args), or decorate fn with "
+        f"@jamp.autocast({keywords}): autocast rewrites a whole function, so what torch runs in a "
+        "`with torch.autocast(...):` block becomes a function.")
