@@ -61,8 +61,7 @@ CHILD = """
     def skipped_warnings(steps):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            steps()
-            jax.effects_barrier()
+            jax.block_until_ready(steps())
         return sum(w.category is jamp.SkippedStepsWarning for w in caught)
 
     def warn_after_2(**kw):
@@ -76,6 +75,7 @@ CHILD = """
             s = stack(tx.init(params))
             for _ in range(3):
                 _, s = update(grads(2), s, stack(params))
+            return s
         return steps
 
     tx = warn_after_2(axis_name="x")
@@ -86,6 +86,7 @@ CHILD = """
         s = tx.init({"w": jnp.ones(4)})
         for _ in range(3):
             s = sharded({"w": grads(5)["w"]}, s)
+        return s
 
     tx_jit = warn_after_2()
     update_jit = jax.jit(tx_jit.update)
@@ -94,6 +95,7 @@ CHILD = """
         s = tx_jit.init(p)
         for _ in range(3):
             _, s = update_jit(g, s, p)
+        return s
 
     out["warnings"] = {"pmap_i": skipped_warnings(pmapped("i")), "pmap_None": skipped_warnings(pmapped(None)),
                        "shard_map": skipped_warnings(shard_map_steps), "jit_sharded": skipped_warnings(jit_steps)}
