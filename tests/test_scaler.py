@@ -284,7 +284,7 @@ def _conditionals(hlo: str) -> list[str]:
 
 def test_xla_backend_compiles_to_adam_plus_a_check():
     """Performance contract (jamp/scaling/skip.py, jamp_kernels/xla.py): no conditional over arrays (the skipped-steps
-    warning's takes and returns scalars only), no copy of any parameter-sized buffer, Adam's own loops (the unscale
+    warning's takes and returns scalars), no copy of any parameter-sized buffer, Adam's own loops (the unscale
     and the selects fused in) and nothing else that writes a parameter-sized array, and on a CPU a check without
     floating-point reductions."""
     params = {"w": jnp.ones((64, 32)), "b": jnp.ones(32)}
@@ -293,7 +293,7 @@ def test_xla_backend_compiles_to_adam_plus_a_check():
     _, bare_loops = _compiled_step(lambda g, s, p: adam.update(jax.tree.map(lambda x: x / 4, g), s, p),
                                    params, adam.init(params))
     conditionals = _conditionals(hlo)
-    assert conditionals and all(c.startswith("() <- ") and not re.search(r"\[\d", c) for c in conditionals)
+    assert conditionals and not any(re.search(r"\[\d", c) for c in conditionals)
     assert not re.search(r"\] copy\(", hlo.replace("[] copy(", ""))
     assert bare_loops == 3 and loops == bare_loops
     assert not re.search(r"= f32\[[0-9,]*\]\S* (reduce|reduce-window)\(", hlo)  # fused bodies are in the text

@@ -134,9 +134,9 @@ def test_disabled_scaler_says_nothing():
 
 
 def test_inside_and_around_multisteps():
-    """jamp.scaler(MultiSteps(...)) steps the scaler per micro-batch: once. MultiSteps(jamp.scaler(...)) runs the
-    scaler's update on every micro-batch and keeps its state only at the window's end, so the warning that starts
-    an episode comes from each micro-batch of that window, identical: Python's default filter shows it once."""
+    """jamp.scaler(MultiSteps(...)) steps the scaler per micro-batch. MultiSteps(jamp.scaler(...)) runs the scaler's
+    update on every micro-batch and keeps its state only at the window's end, so the host is called from each
+    micro-batch of the window that starts an episode, with the same numbers: it warns once."""
     inner = jamp.scaler(optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2), warn_after_skips=3,
                         warn_below_scale=None)
     _, state, seen, messages = train(train_step(inner), PARAMS, inner.init(PARAMS), [X_NAN] * 5)
@@ -146,7 +146,7 @@ def test_inside_and_around_multisteps():
                              every_k_schedule=2)
     step, state = train_step(outer), outer.init(PARAMS)
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
+        warnings.simplefilter("always")
         for _ in range(8):
             _, state = jax.block_until_ready(step(PARAMS, state, X_NAN, Y))
     assert [str(w.message)[:45] for w in caught] == ["jamp.scaler: 2 updates in a row were skipped "]

@@ -12,17 +12,21 @@ an inf/NaN that does not come from the scale, so jamp tells the user, once per e
   growth needs 2000 clean steps in a row).
 
 The episode ends, and the warning re-arms, at the next update that is taken. Two state fields carry it
-(``consecutive_skips``, ``warned``), so it works under ``jit``, in loops and across checkpoints. The host
-is called only when the warning fires (a callback under ``lax.cond``): a finite step pays a few scalar
-operations and one conditional over scalars that does nothing. With ``axis_name`` only the first replica of
-the axes calls the host, so a pmap or shard_map of eight devices warns once, not eight times.
+(``consecutive_skips``, ``warned``), so it works under ``jit``, ``vmap``, in loops and across checkpoints.
+
+The host is called only when the warning fires: a ``jax.pure_callback`` under ``lax.cond``, whose result the
+state keeps (so it is never dropped), and not ``jax.debug.callback``, whose effect sends every call of the
+jitted step through Python dispatch instead of jit's C++ path (which made an Adam step on 50 leaves of
+100,000 1.1-1.5 times slower on XLA:CPU). A finite step pays a few scalar operations and a conditional over
+scalars (benchmarks/scaler_overhead.py times the step with and without the warning). Replicas (pmap,
+shard_map) take the same decision and call the host with the same numbers; the host side of each scaler
+does not repeat the warning it gave last, so they warn once.
 """
 
 from __future__ import annotations
 
-import functools
+import threading
 import warnings
-from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import jax
@@ -54,14 +58,6 @@ class Thresholds(NamedTuple):
         return self.after_skips is not None or self.below_scale is not None
 
 
-def thresholds(warn_after_skips: Any, warn_below_scale: Any) -> Thresholds:
-    """The validated keywords of :func:`jamp.scaler` (TypeError/ValueError naming the argument)."""
-    after = None if warn_after_skips is None else scaler_state.checked_int("warn_after_skips", warn_after_skips, 1)
-    below = None if warn_below_scale is None else np.float32(
-        scaler_state.checked_float("warn_below_scale", warn_below_scale))
-    return Thresholds(after, below)
-
-
 def initial_fields() -> dict:
     """The fields of a fresh state: no skips yet, nothing reported."""
     return {"consecutive_skips": jnp.zeros((), jnp.int32), "warned": jnp.zeros((), jnp.bool_)}
@@ -72,47 +68,49 @@ def _bits(x: Any) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
 
 
-def track(limits: Thresholds, state: ScalerState, found_inf: jax.Array, new_scale: jax.Array,
-          axis_name: Hashable | tuple | None) -> dict:
-    """The new ``consecutive_skips`` and ``warned``, warning from the device when an episode starts."""
-    skips = jnp.where(found_inf, state.consecutive_skips + (state.consecutive_skips < _INT32_MAX), 0)
-    if not limits.enabled:
-        return {"consecutive_skips": skips, "warned": jnp.zeros_like(state.warned)}
-    long_run = jnp.bool_(False) if limits.after_skips is None else skips >= limits.after_skips
-    if limits.below_scale is None:
-        fell = jnp.bool_(False)
-    else:
-        floor = _bits(limits.below_scale)
-        fell = (_bits(state.scale) >= floor) & (_bits(new_scale) < floor)
-    warn = found_inf & ~state.warned & (long_run | fell)
-    host = warn if axis_name is None else warn & _first_replica(axis_name)
-    told = jax.lax.cond(host, functools.partial(_tell_host, limits=limits), lambda w, *_: w, warn, skips, new_scale, fell)
-    return {"consecutive_skips": skips, "warned": found_inf & (state.warned | told)}
+class SkipWarning:
+    """One scaler's skipped-steps warning: :meth:`track` on the device, :meth:`on_host` when it fires."""
 
+    def __init__(self, warn_after_skips: Any, warn_below_scale: Any):
+        """Validates the keywords of :func:`jamp.scaler` (TypeError/ValueError naming the argument)."""
+        after = None if warn_after_skips is None else \
+            scaler_state.checked_int("warn_after_skips", warn_after_skips, 1)
+        below = None if warn_below_scale is None else \
+            np.float32(scaler_state.checked_float("warn_below_scale", warn_below_scale))
+        self.limits = Thresholds(after, below)
+        self._last: tuple | None = None  # what the host said last
+        self._lock = threading.Lock()  # replicas call from several threads
 
-def _first_replica(axis_name: Hashable | tuple) -> jax.Array:
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    first = jnp.bool_(True)
-    for name in names:
-        first = first & (jax.lax.axis_index(name) == 0)
-    return first
+    def track(self, state: ScalerState, found_inf: jax.Array, new_scale: jax.Array) -> dict:
+        """The new ``consecutive_skips`` and ``warned``; the host warns when an episode starts."""
+        skips = jnp.where(found_inf, state.consecutive_skips + (state.consecutive_skips < _INT32_MAX), 0)
+        limits = self.limits
+        if not limits.enabled:
+            return {"consecutive_skips": skips, "warned": jnp.zeros_like(state.warned)}
+        long_run = jnp.bool_(False) if limits.after_skips is None else skips >= limits.after_skips
+        if limits.below_scale is None:
+            fell = jnp.bool_(False)
+        else:
+            floor = _bits(limits.below_scale)
+            fell = (_bits(state.scale) >= floor) & (_bits(new_scale) < floor)
+        warn = found_inf & ~state.warned & (long_run | fell)
+        told = jax.lax.cond(warn, self._call_host, lambda w, *_: w, warn, skips, new_scale, fell)
+        return {"consecutive_skips": skips, "warned": found_inf & (state.warned | told)}
 
+    def _call_host(self, warn: jax.Array, skips: jax.Array, scale: jax.Array, fell: jax.Array) -> jax.Array:
+        return jax.pure_callback(self.on_host, jax.ShapeDtypeStruct((), jnp.bool_), warn, skips, scale, fell,
+                                 vmap_method="sequential")
 
-def _tell_host(warn: jax.Array, skips: jax.Array, scale: jax.Array, fell: jax.Array, *,
-               limits: Thresholds) -> jax.Array:
-    """``warn``, passed through the host, which warns. A ``pure_callback``, not ``jax.debug.callback``: an effect
-    sends every call of the jitted step through Python dispatch instead of jit's C++ path, which cost 1.2-1.8x
-    bare Adam's step time on 50 leaves (benchmarks/scaler_overhead.py); the state keeps the result, so the call is
-    never dropped."""
-    return jax.pure_callback(functools.partial(_warn, limits=limits), jax.ShapeDtypeStruct((), jnp.bool_),
-                             warn, skips, scale, fell, vmap_method="sequential")
-
-
-def _warn(warn: np.ndarray, skips: np.ndarray, scale: np.ndarray, fell: np.ndarray, *, limits: Thresholds) -> np.ndarray:
-    """Host side: warn and return the flag. Under ``vmap`` the conditional runs both branches, so it is checked."""
-    if warn:
-        warnings.warn(message(int(skips), float(scale), bool(fell), limits), SkippedStepsWarning)
-    return np.asarray(warn, np.bool_)
+    def on_host(self, warn: np.ndarray, skips: np.ndarray, scale: np.ndarray, fell: np.ndarray) -> np.ndarray:
+        """Warns unless this is what the host said last (another replica's call); returns ``warn``. Under
+        ``vmap`` the conditional runs both branches, so ``warn`` is checked here too."""
+        if warn:
+            said = message(int(skips), float(scale), bool(fell), self.limits)
+            with self._lock:
+                repeat, self._last = said == self._last, said
+            if not repeat:
+                warnings.warn(said, SkippedStepsWarning)
+        return np.asarray(warn, np.bool_)
 
 
 def message(skips: int, scale: float, fell: bool, limits: Thresholds) -> str:

@@ -154,7 +154,7 @@ def scaler(
         **scaler_state.bounds(min_scale, max_scale),
     }
     scale0 = scaler_state.checked_init_scale(init_scale, hp)
-    limits = skip_warning.thresholds(warn_after_skips, warn_below_scale)
+    skipped_steps = skip_warning.SkipWarning(warn_after_skips, warn_below_scale)
 
     def init(params: optax.Params) -> ScalerState:
         return ScalerState(
@@ -176,7 +176,7 @@ def scaler(
         finite = jax.tree.map(lambda g: jnp.where(found_inf, jnp.zeros_like(g), g), unscaled)
         updates, inner_state = skip.step_or_skip(inner_tx.update, found_inf, finite, state.inner_state, params, extra)
         scale, tracker = scale_rule.next_scale(state, found_inf)
-        episode = skip_warning.track(limits, state, found_inf, scale, axis_name)
+        episode = skipped_steps.track(state, found_inf, scale)
         return updates, state._replace(
             scale=scale, growth_tracker=tracker, found_inf=found_inf, inner_state=inner_state, **episode
         )
