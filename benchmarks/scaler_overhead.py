@@ -23,6 +23,9 @@ rows below it force each form, so every form is measured on every platform. On a
 tree gives what a ``jax.profiler`` trace shows per step: kernels launched, their device time, the span
 from first to last kernel, and the costliest ops.
 
+"without the skipped-steps warning" is ``jamp.scaler(adam, warn_after_skips=None, warn_below_scale=None)``: the
+summary's last column is the default's finite step over it, round by round (what jamp.SkippedStepsWarning costs).
+
 "the check alone" runs ``jamp_kernels.has_nonfinite`` by itself: one plus its ratio is the least that any scaler
 whose check is a separate pass over the gradients can cost (the summary prints it beside the scaler).
 The summary also prints the memory rate of bare Adam (28 bytes per parameter, :data:`ADAM_BYTES`) and of the
@@ -44,6 +47,7 @@ import argparse
 import contextlib
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -121,9 +125,9 @@ def bare(adam):
     return "adam", adam.init, step
 
 
-def jamp_scaler(adam, backend="auto", form=None, check=None):
+def jamp_scaler(adam, backend="auto", form=None, check=None, **kwargs):
     """``form`` / ``check`` force one skip form / check form (patched while the step is traced)."""
-    tx = jamp.scaler(adam, init_scale=SCALE, backend=backend)
+    tx = jamp.scaler(adam, init_scale=SCALE, backend=backend, **kwargs)
 
     def step(params, state, grads):
         with forced(skip, "FORM_OF_PLATFORM", form), forced(xla, "CHECK_OF_PLATFORM", check):
@@ -205,9 +209,11 @@ def check_alone(adam):
 
 
 CHECK_ALONE = "the check alone (jamp_kernels.has_nonfinite)"
+QUIET = "  without the skipped-steps warning"
 VARIANTS: dict[str, Callable] = {
     "bare Adam": bare,
     "jamp.scaler(adam)": jamp_scaler,
+    QUIET: lambda adam: jamp_scaler(adam, warn_after_skips=None, warn_below_scale=None),
     "  check form _folded (views in loops)": lambda adam: jamp_scaler(adam, backend="xla", check="_folded"),
     "  check form _reduced (a reduction per leaf)": lambda adam: jamp_scaler(adam, backend="xla", check="_reduced"),
     "  skip form select_where_produced": lambda adam: jamp_scaler(adam, form="select_where_produced"),
@@ -307,6 +313,9 @@ def measure(tree: Tree, names: list[str], rounds: int, small: bool) -> dict:
     for name in tree.not_run:
         print(f"| {name} | not run: {NOT_RUN} |")
     device_view(runs, buffers, grads, caches)
+    if {"jamp.scaler(adam)", QUIET} <= times.keys():  # what the warning's scalar ops and conditional cost
+        pairs = zip(times["jamp.scaler(adam)"]["step"], times[QUIET]["step"])
+        result["warning_cost"] = quartiles([a / b for a, b in pairs])
     result["size"] = f"{n_params / 1e6:.1f}M params, {len(leaves)} leaves"
     result["n_params"] = n_params
     return result
@@ -353,6 +362,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="every tree at about a tenth of its size (a quick run)")
     ap.add_argument("--variants", default=None, help="comma-separated subset of the variants (bare Adam is always run)")
     args = ap.parse_args()
+    warnings.filterwarnings("ignore", category=jamp.SkippedStepsWarning)  # the skipped steps timed here are meant
     trees = args.trees.split(",")
     if unknown := set(trees) - set(TREES):
         ap.error(f"--trees: unknown {sorted(unknown)}; choose from {', '.join(TREES)}")
@@ -362,8 +372,9 @@ def main() -> None:
 
     print("\nSummary (ratios to bare Adam's finite step, median of the rounds, interquartile range):")
     print("| parameter tree | bare Adam ms | jamp.scaler(adam) ms | " + " | ".join(KINDS)
-          + " | 1 + the check alone (step) | bare Adam GB/s | the check alone GB/s | best peer (step) |")
-    print("|---" * (7 + len(KINDS)) + "|")
+          + " | 1 + the check alone (step) | bare Adam GB/s | the check alone GB/s | best peer (step) "
+          + "| with / without the skipped-steps warning (step) |")
+    print("|---" * (8 + len(KINDS)) + "|")
     for key, result in results.items():
         jamp_row, floor = result.get("jamp.scaler(adam)"), result["bare Adam"]["step"][0]
         peers = [(result[p]["step"][1][1], p) for p in PEERS if p in result]
@@ -374,7 +385,8 @@ def main() -> None:
         if jamp_row:
             title = f"{TREES[key].title} ({result['size']})" if args.small else TREES[key].title
             print(f"| {title} | {floor:.1f} | {jamp_row['step'][0]:.1f} | "
-                  + " | ".join(fmt(jamp_row[k][1]) for k in KINDS) + f" | {separate_check_floor} | {rates} | {best} |")
+                  + " | ".join(fmt(jamp_row[k][1]) for k in KINDS) + f" | {separate_check_floor} | {rates} | {best} | "
+                  + (fmt(result["warning_cost"]) if "warning_cost" in result else "-") + " |")
 
 if __name__ == "__main__":
     main()

@@ -12,8 +12,10 @@ from jamp.low_precision_params.kahan import kahan_summation
 from jamp.low_precision_params.stochastic import stochastic_rounding
 from jamp.scaling.checkpoint import load_state_dict, state_dict
 from jamp.scaling.helpers import found_inf, get_scale, scale, set_scale, value_and_grad
+from jamp.scaling.skip_warning import SkippedStepsWarning
 from jamp.scaling.state import DisabledScalerState, ScalerState
 from jamp.scaling.transform import scaler
+from jamp.scaling.unscaled_grads import UnscaledGradientsWarning
 from jamp.tools.explanation import Report, explain
 from jamp.tools.overflow import Finding, find_overflow
 
@@ -26,6 +28,8 @@ __all__ = [
     # gradient scaling
     "DisabledScalerState",
     "ScalerState",
+    "SkippedStepsWarning",
+    "UnscaledGradientsWarning",
     "found_inf",
     "get_scale",
     "load_state_dict",

@@ -105,6 +105,42 @@ def is_symbolic_zero(x) -> bool:
     return isinstance(x, Zero)
 
 
+def jaxpr_trace_of(x) -> Any | None:
+    """The jaxpr trace under way (a ``jit``, ``pmap`` or loop body) that ``x`` is a tracer of, else None."""
+    return x._trace if isinstance(x, pe.DynamicJaxprTracer) else None
+
+
+def producer(x) -> Any | None:
+    """The equation that computed the jaxpr tracer ``x`` in the trace under way (its ``in_tracers`` are the tracers
+    it read; jax 0.10 through 0.12 record it as ``tracer.parent``), or None for an input of the trace, a constant,
+    or a JAX whose tracers do not record it (the callers then claim nothing: tests/test_scaler_misuse.py fails)."""
+    eqn = getattr(x, "parent", None)
+    return eqn if all(hasattr(eqn, a) for a in ("in_tracers", "params", "source_info")) else None
+
+
+def producer_inputs(eqn) -> list:
+    return list(eqn.in_tracers)
+
+
+def _transposed(eqn) -> bool:
+    return any(isinstance(t, source_info_util.Transform) and t.name == "transpose"
+               for t in getattr(eqn.source_info.name_stack, "stack", ()))
+
+
+def made_by_backward_pass(eqn, budget: int = 10_000) -> bool:
+    """Whether reverse-mode differentiation (``jax.grad``/``vjp``: a transpose) emitted ``eqn``, or, up to ``budget``
+    equations, one inside the jaxprs of its parameters (a nested ``jit``, a ``scan`` that accumulates gradients)."""
+    pending = [eqn]
+    while pending and budget > 0:
+        e = pending.pop()
+        budget -= 1
+        if _transposed(e):
+            return True
+        for inner in jaxprs_in_params(e.params):
+            pending.extend(inner.eqns)
+    return False
+
+
 # jax >= 0.11: a custom_vjp's flat bwd returns ``(cotangents, logs)`` (``defvjp_with_logs``);
 # jax 0.10 returns the cotangents alone.
 BWD_RETURNS_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
@@ -165,5 +201,5 @@ __all__ = [
     "ClosedJaxpr", "Jaxpr", "Literal", "Var", "convert_constvars_jaxpr", "jaxpr_as_fun",
     "jaxprs_in_params", "weakref_lru_cache", "wrap_init", "user_context", "name_stack_str", "source_location",
     "INLINE_WHILE_TRACING", "is_differentiated", "is_symbolic_zero", "shard_map_body", "split_bwd_result", "join_bwd_result",
-    "lower_for_cuda",
+    "lower_for_cuda", "jaxpr_trace_of", "producer", "producer_inputs", "made_by_backward_pass",
 ]

@@ -54,6 +54,51 @@ CHILD = """
     u, s = jax.jit(tx.update)(g, tx.init(p), p)
     out["jit_sharded"] = {"found": bool(s.found_inf), "zero_updates": bool(jnp.all(u["w"] == 0)),
                           "sharding_kept": u["w"].sharding.is_equivalent_to(g["w"].sharding, 2)}
+
+    # jamp.SkippedStepsWarning: three skips in a row with warn_after_skips=2, counted per layout
+    import warnings
+
+    def skipped_warnings(steps):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            jax.block_until_ready(steps())
+        return sum(w.category is jamp.SkippedStepsWarning for w in caught)
+
+    def warn_after_2(**kw):
+        return jamp.scaler(optax.sgd(0.1), init_scale=4.0, warn_after_skips=2, warn_below_scale=None, **kw)
+
+    def pmapped(axis_name):
+        tx = warn_after_2(axis_name=axis_name)
+        update = jax.pmap(tx.update, axis_name="i")
+
+        def steps():
+            s = stack(tx.init(params))
+            for _ in range(3):
+                _, s = update(grads(2), s, stack(params))
+            return s
+        return steps
+
+    tx = warn_after_2(axis_name="x")
+    sharded = jax.jit(jax.shard_map(lambda g, s: tx.update(g, s)[1], mesh=mesh, in_specs=(P("x"), P()),
+                                    out_specs=P()))
+
+    def shard_map_steps():
+        s = tx.init({"w": jnp.ones(4)})
+        for _ in range(3):
+            s = sharded({"w": grads(5)["w"]}, s)
+        return s
+
+    tx_jit = warn_after_2()
+    update_jit = jax.jit(tx_jit.update)
+
+    def jit_steps():
+        s = tx_jit.init(p)
+        for _ in range(3):
+            _, s = update_jit(g, s, p)
+        return s
+
+    out["warnings"] = {"pmap_i": skipped_warnings(pmapped("i")), "pmap_None": skipped_warnings(pmapped(None)),
+                       "shard_map": skipped_warnings(shard_map_steps), "jit_sharded": skipped_warnings(jit_steps)}
     print(json.dumps(out))
 """
 
@@ -87,3 +132,9 @@ def test_shard_map_axis_name(child):
 
 def test_jit_over_a_sharded_mesh_reduces_the_flag_globally(child):
     assert child["jit_sharded"] == {"found": True, "zero_updates": True, "sharding_kept": True}
+
+
+def test_skipped_steps_warn_once_not_once_per_device(child):
+    """With axis_name every replica takes the same decision and only the first calls the host; under jit the
+    callback runs once; a pmap without axis_name warns for the one replica whose steps are skipped."""
+    assert child["warnings"] == {"pmap_i": 1, "pmap_None": 1, "shard_map": 1, "jit_sharded": 1}

@@ -127,7 +127,7 @@ def test_scale_rule_matches_python_model(h, bounds):
         scale=jnp.float32(scale), growth_tracker=jnp.int32(tracker),
         growth_factor=exact_mul.to_words(growth), backoff_factor=exact_mul.to_words(backoff),
         growth_interval=jnp.int32(interval), min_scale=jnp.float32(lo), max_scale=jnp.float32(hi),
-        found_inf=jnp.bool_(False), inner_state=())
+        found_inf=jnp.bool_(False), consecutive_skips=jnp.int32(0), warned=jnp.bool_(False), inner_state=())
     got_scales, got_trackers = _run(state, jnp.array(flags))
     s, t = np.float32(scale), tracker
     for i, found in enumerate(flags):

@@ -191,7 +191,8 @@ def test_update_kernel_matches_torch_amp_update_scale():
         scale=col("scale", np.float32), growth_tracker=col("tracker", np.int32),
         growth_factor=words("growth_factor"), backoff_factor=words("backoff_factor"),
         growth_interval=col("growth_interval", np.int32), min_scale=jnp.zeros(n), max_scale=jnp.full(n, jnp.inf),
-        found_inf=col("found_inf", np.float32) != 0, inner_state=None)
+        found_inf=col("found_inf", np.float32) != 0, consecutive_skips=jnp.zeros(n, jnp.int32),
+        warned=jnp.zeros(n, jnp.bool_), inner_state=None)
     scale, tracker = jax.jit(scaler_rule.next_scale)(state, state.found_inf)
     np.testing.assert_array_equal(bits(scale), bits([c["new_scale"] for c in cases]))
     np.testing.assert_array_equal(np.asarray(tracker), [c["new_tracker"] for c in cases])

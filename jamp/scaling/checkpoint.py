@@ -61,6 +61,8 @@ def load_state_dict(opt_state: Any, sd: Mapping[str, Any]) -> Any:
     anything is built, so a refused state dict changes nothing. The scale is rounded to float32 as
     torch's ``fill_`` does. Extra keys are ignored. A replicated state gets the values on every replica.
     """
+    scaler_state.refuse_swapped(opt_state, sd, "jamp.load_state_dict(sd, opt_state)",
+                                "jamp.load_state_dict(opt_state, sd)")
     st = scaler_state.find(opt_state)
     if isinstance(st, DisabledScalerState):
         return opt_state

@@ -30,6 +30,7 @@ def _scale_leaf(x: Any, scale: jax.Array) -> jax.Array:
 
 def scale(loss_or_tree: Any, opt_state: Any) -> Any:
     """The loss (or every leaf of a pytree of outputs) times the current scale; the identity when disabled."""
+    scaler_state.refuse_swapped(opt_state, loss_or_tree, "jamp.scale(opt_state, loss)", "jamp.scale(loss, opt_state)")
     st = scaler_state.find(opt_state)
     if isinstance(st, DisabledScalerState):
         return loss_or_tree
@@ -56,6 +57,8 @@ def set_scale(opt_state: Any, new_scale: Any) -> Any:
     accepts a float or a one-element tensor); a replicated state gets it on every replica. A no-op when
     disabled.
     """
+    scaler_state.refuse_swapped(opt_state, new_scale, "jamp.set_scale(new_scale, opt_state)",
+                                "jamp.set_scale(opt_state, new_scale)")
     st = scaler_state.find(opt_state)
     if isinstance(st, DisabledScalerState):
         return opt_state

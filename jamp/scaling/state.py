@@ -39,6 +39,8 @@ class ScalerState(NamedTuple):
     min_scale: jax.Array  # f32[]: backoff never goes below (0: no floor, as torch)
     max_scale: jax.Array  # f32[]: growth never goes above (inf: no ceiling, as torch)
     found_inf: jax.Array  # bool[]: the last update saw inf/NaN and was skipped
+    consecutive_skips: jax.Array  # i32[]: updates skipped in a row (0 after a step that was taken)
+    warned: jax.Array  # bool[]: this run of skips was reported (jamp.SkippedStepsWarning); cleared by a step taken
     inner_state: optax.OptState
 
 
@@ -76,6 +78,7 @@ _FLOAT_RULES = {
     "backoff_factor": (lambda v: 0.0 < v < 1.0, "a float in (0, 1)"),
     "min_scale": (lambda v: math.isfinite(f32(v)) and f32(v) > 0, "None or a finite float > 0 (in float32)"),
     "max_scale": (lambda v: math.isfinite(f32(v)) and f32(v) > 0, "None or a finite float > 0 (in float32)"),
+    "warn_below_scale": (lambda v: math.isfinite(f32(v)) and f32(v) > 0, "None or a finite float > 0 (in float32)"),
 }
 
 
@@ -162,6 +165,13 @@ def find(opt_state: Any) -> ScalerState | DisabledScalerState:
         f"expected exactly one jamp.scaler state in opt_state, found {what}; pass the optimizer state "
         "returned by jamp.scaler(...).init/update, or the part of it that holds the scaler you mean"
     )
+
+
+def refuse_swapped(opt_state: Any, other: Any, call: str, form: str) -> None:
+    """A TypeError that shows ``form`` when ``other`` holds the scaler state and ``opt_state`` does not: the
+    arguments of ``call`` came in the wrong order."""
+    if all_states(other) and not all_states(opt_state) and not restored_without_target(opt_state):
+        raise TypeError(f"{call}: the arguments are swapped; write {form}")
 
 
 def replace(opt_state: Any, new: ScalerState | DisabledScalerState) -> Any:

@@ -8,6 +8,7 @@ advancing their counts and moments.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -18,7 +19,7 @@ import optax
 import jamp_kernels
 from jamp._arguments import checked_bool, checked_transformation
 from jamp.scaling import rule as scale_rule
-from jamp.scaling import skip
+from jamp.scaling import skip, skip_warning, unscaled_grads
 from jamp.scaling import state as scaler_state
 from jamp.scaling.state import DisabledScalerState, ScalerState
 
@@ -50,6 +51,13 @@ def _combine(found_inf: jax.Array, axis_name: Hashable | tuple | None) -> jax.Ar
     return combined
 
 
+_IDENTITY_UPDATE = optax.identity().update.__code__  # every optax.identity() shares its update's code
+
+
+def _is_identity(tx: Any) -> bool:
+    return getattr(tx.update, "__code__", None) is _IDENTITY_UPDATE
+
+
 def _check_inner(inner: tuple) -> optax.GradientTransformationExtraArgs:
     if not inner:
         raise TypeError(
@@ -60,6 +68,13 @@ def _check_inner(inner: tuple) -> optax.GradientTransformationExtraArgs:
         )
     for i, tx in enumerate(inner):
         checked_transformation(f"jamp.scaler's argument {i}", tx)
+    if all(map(_is_identity, inner)):
+        warnings.warn(
+            "jamp.scaler(optax.identity()) guards no optimizer: the scaler wraps the optimizer it protects, so "
+            "that a skipped step leaves that optimizer's state untouched. Write jamp.scaler(optax.adam(1e-3)) (or "
+            "jamp.scaler(optax.clip_by_global_norm(1.0), optax.adam(1e-3))), not optax.chain(jamp.scaler("
+            "optax.identity()), optax.adam(1e-3)), where a skipped step still advances Adam's count and decays "
+            "its moments", stacklevel=4)
     return optax.with_extra_args_support(inner[0] if len(inner) == 1 else optax.chain(*inner))
 
 
@@ -98,6 +113,8 @@ def scaler(
     backend: str = "auto",
     min_scale: float | None = None,
     max_scale: float | None = None,
+    warn_after_skips: int | None = 32,
+    warn_below_scale: float | None = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
     """Dynamic loss scaling around ``inner`` (several transformations are chained), as torch's GradScaler.
 
@@ -115,6 +132,12 @@ def scaler(
     ``min_scale``/``max_scale`` are extras beyond torch, off by default. ``enabled=False`` applies ``inner``
     on every step, validates nothing but ``inner``, and makes ``jamp.scale`` the identity.
 
+    Beyond torch, which says nothing, the step warns (:class:`jamp.SkippedStepsWarning`, from the device, once
+    per episode) when ``warn_after_skips`` updates in a row were skipped or a backoff takes the scale below
+    ``warn_below_scale`` (:mod:`jamp.scaling.skip_warning` says why 32 and 1.0); None turns a condition off, and
+    both None leave nothing in the compiled step. Gradients that were differentiated in the same jitted function
+    without ``jamp.scale`` get a :class:`jamp.UnscaledGradientsWarning` while tracing.
+
     Unlike torch, where several optimizers share one GradScaler and each skips on its own overflow, one
     jamp.scaler takes one decision: wrap ``optax.multi_transform`` to skip all groups together, or give
     each group its own scaler (then each has its own scale).
@@ -131,6 +154,7 @@ def scaler(
         **scaler_state.bounds(min_scale, max_scale),
     }
     scale0 = scaler_state.checked_init_scale(init_scale, hp)
+    skipped_steps = skip_warning.SkipWarning(warn_after_skips, warn_below_scale)
 
     def init(params: optax.Params) -> ScalerState:
         return ScalerState(
@@ -138,10 +162,12 @@ def scaler(
             growth_tracker=jnp.zeros((), jnp.int32),
             **scaler_state.as_arrays(hp),
             found_inf=jnp.zeros((), jnp.bool_),
+            **skip_warning.initial_fields(),
             inner_state=inner_tx.init(params),
         )
 
     def update(grads: optax.Updates, state: ScalerState, params: optax.Params | None = None, **extra: Any):
+        unscaled_grads.check(grads, state.scale, stacklevel=2)
         found_inf = _combine(jamp_kernels.has_nonfinite(grads, backend=backend), axis_name)
         # == float32(1 / float64(scale)) (tests/test_scaler_torch.py), kept normal above 2**126. XLA fuses
         # the unscale into inner's loops; zeroing a skipped step's grads means the computation that is
@@ -150,8 +176,9 @@ def scaler(
         finite = jax.tree.map(lambda g: jnp.where(found_inf, jnp.zeros_like(g), g), unscaled)
         updates, inner_state = skip.step_or_skip(inner_tx.update, found_inf, finite, state.inner_state, params, extra)
         scale, tracker = scale_rule.next_scale(state, found_inf)
+        episode = skipped_steps.track(state, found_inf, scale)
         return updates, state._replace(
-            scale=scale, growth_tracker=tracker, found_inf=found_inf, inner_state=inner_state
+            scale=scale, growth_tracker=tracker, found_inf=found_inf, inner_state=inner_state, **episode
         )
 
     return optax.GradientTransformationExtraArgs(init, update)

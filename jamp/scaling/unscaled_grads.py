@@ -1,0 +1,97 @@
+"""``jamp.UnscaledGradientsWarning``: gradients of the unscaled loss handed to the scaler's ``update``.
+
+``jax.grad(loss_fn)`` where ``jax.grad(lambda p: jamp.scale(loss_fn(p), opt_state))`` was meant runs without
+error: the scaler divides the gradients by the scale anyway, and every update comes out 65536 times too small.
+
+The values cannot tell: unscaled gradients look like the scaled gradients of a smaller loss, and a check of
+their magnitude on the first steps fires on every model whose gradients are small (a fine-tuning near its
+optimum, a loss averaged over many tokens). The dataflow can. When ``tx.update`` is traced in the jitted
+function that differentiated the loss, which is how a training step is written, the equations that computed
+the gradients are recorded in that trace, and gradients of a scaled loss depend on the scale that
+``tx.update`` reads. So jamp warns, while tracing (a compiled step runs nothing for it), when
+
+* a gradient was computed in the trace ``tx.update`` runs in, by a backward pass (an equation that
+  ``jax.grad``/``jax.vjp`` made by transposition, or such an equation inside a nested ``jit`` or a ``scan``), and
+* no gradient depends on the scale that ``tx.update`` reads, nor on anything that scale was computed from.
+
+Gradients computed by another jitted function, or eagerly, are inputs of the trace: nothing is claimed then,
+nor where the graph is too large to walk (:data:`_MOST_TRACERS`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+
+from jamp import _jax_compat as jc
+
+_MOST_TRACERS = 2_000_000  # the walk gives up (and claims nothing) past this many tracers
+
+
+class UnscaledGradientsWarning(UserWarning):
+    """``tx.update`` of a ``jamp.scaler`` got gradients of a loss that ``jamp.scale`` did not multiply.
+
+    Filter it with ``warnings.filterwarnings("ignore", category=jamp.UnscaledGradientsWarning)``.
+    """
+
+
+def _sources(x: Any, most: int = 10_000) -> set[int] | None:
+    """ids of ``x`` and of every tracer it was computed from in the trace under way; None past ``most``."""
+    seen: set[int] = set()
+    stack = [x]
+    while stack:
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if len(seen) > most:
+            return None
+        eqn = jc.producer(t)
+        if eqn is not None:
+            stack.extend(jc.producer_inputs(eqn))
+    return seen
+
+
+def differentiated_without(grads: Any, scale: Any) -> bool:
+    """True when ``grads`` were made by a backward pass in the trace ``scale`` belongs to and none of them depends
+    on ``scale`` (or on what it was computed from). False whenever that cannot be known."""
+    trace = jc.jaxpr_trace_of(scale)
+    if trace is None:
+        return False
+    leaves = [g for g in jax.tree.leaves(grads) if jc.jaxpr_trace_of(g) is trace]
+    scale_sources = _sources(scale) if leaves else None
+    if scale_sources is None:
+        return False
+    seen: set[int] = set()
+    checked_eqns: set[int] = set()
+    stack, backward = list(leaves), False
+    while stack:
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        if id(t) in scale_sources or len(seen) >= _MOST_TRACERS:
+            return False
+        seen.add(id(t))
+        eqn = jc.producer(t)
+        if eqn is None:
+            continue
+        if not backward and id(eqn) not in checked_eqns:
+            checked_eqns.add(id(eqn))
+            backward = jc.made_by_backward_pass(eqn)
+        stack.extend(jc.producer_inputs(eqn))
+    return backward
+
+
+def check(grads: Any, scale: Any, stacklevel: int) -> None:
+    """Warn (at trace time) when :func:`differentiated_without` holds for the gradients ``tx.update`` got."""
+    if differentiated_without(grads, scale):
+        warnings.warn(
+            "jamp.scaler: tx.update got gradients that were differentiated in this jitted function without "
+            "jamp.scale: they do not depend on the loss scale, which the scaler divides them by anyway, so every "
+            "update comes out that much too small (65536 times at the default init_scale). Differentiate the "
+            "scaled loss with the opt_state you pass to tx.update: grads = jax.grad(lambda p: "
+            "jamp.scale(loss_fn(p, batch), opt_state))(params), or loss, grads = "
+            "jamp.value_and_grad(loss_fn)(opt_state, params, batch).",
+            UnscaledGradientsWarning, stacklevel=stacklevel + 1)
