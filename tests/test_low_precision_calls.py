@@ -150,6 +150,17 @@ def test_nested_region_decides_the_dtype(block, expected):
     assert _kernel_dtypes(closed) == [expected]
 
 
+@pytest.mark.parametrize("block,expected", [
+    (lambda: jamp.autocast(enabled=False), F32),
+    (lambda: jamp.autocast(dtype=jnp.float16), F16),
+])
+def test_nested_region_with_grad_inside(block, expected):
+    """Under jax.grad inside the autocast function JAX differentiates the recorded body, which runs as
+    recorded: the trace already read the region off the name stack."""
+    grad_fn = jamp.autocast(jax.grad(lambda w, x: _region(block)(w, x).sum()), dtype="bf16")
+    assert _kernel_dtypes(jax.make_jaxpr(grad_fn)(W, X)) == [expected]
+
+
 def test_off_region_behind_a_jit_is_seen_by_the_interpreter():
     """The trace cannot see a region outside a jitted function (JAX starts a new name stack there); the
     interpreter, tracing the kernel again with the whole path known, runs it as written."""
