@@ -76,6 +76,12 @@ def name_stack_str(eqn) -> str:
     return str(eqn.source_info.name_stack)
 
 
+def hide_from_source_info(path: str) -> None:
+    """Equations traced from the file ``path`` point to their caller's line, as JAX's own do (``jamp.explain``'s
+    source column, JAX's filtered tracebacks)."""
+    source_info_util.register_exclusion(path)
+
+
 def current_name_stack() -> str:
     """The name scopes entered at this point of a trace ('outer/inner'), as ``name_stack_str`` spells them."""
     return str(source_info_util.current_name_stack())
@@ -197,7 +203,7 @@ def _host_as_h100():
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Literal", "Var", "convert_constvars_jaxpr", "jaxpr_as_fun",
     "jaxprs_in_params", "weakref_lru_cache", "wrap_init", "user_context", "name_stack_str", "current_name_stack",
-    "autocast_tracing", "source_location",
+    "autocast_tracing", "hide_from_source_info", "source_location",
     "INLINE_WHILE_TRACING", "is_differentiated", "is_symbolic_zero", "shard_map_body", "split_bwd_result", "join_bwd_result",
     "lower_for_cuda", "cudnn_version",
 ]

@@ -25,6 +25,8 @@ from jamp import _jax_compat as jc
 from jamp.casting.dtypes import LOW_DTYPES
 from jamp.casting.low_precision_calls import lower_precision
 
+jc.hide_from_source_info(__file__)  # an attention call points to the model's line
+
 
 class _Cuda(NamedTuple):
     cudnn: int                   # 91000 for cuDNN 9.10

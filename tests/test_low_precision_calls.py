@@ -183,10 +183,12 @@ def test_policy_region_rules_name_the_call():
     policy = jamp.get_policy("cpu").with_rules({"accepts_any": "float32"})
     closed = jax.make_jaxpr(jamp.autocast(lambda w, x: accepts_any(x @ w, w), policy=policy))(W, X)
     assert _kernel_dtypes(closed) == [F32]
+    calls = [[str(v.aval.dtype) for v in e.invars] for e in eqns(closed) if e.params.get("name") == "accepts_any"]
+    assert calls == [[F32, F32]]  # the function traced on float32, not its bfloat16 recording cast up
 
 
 def test_fp8_policy_gives_the_kernel_its_compute_dtype():
-    closed = jax.make_jaxpr(jamp.autocast(lambda w, x: accepts_any(x @ w, w), policy="fp8"))(W, X)
+    closed = jax.make_jaxpr(jamp.autocast(accepts_any, policy="fp8"))(X, W)
     assert _kernel_dtypes(closed) == [BF16]
 
 

@@ -72,8 +72,8 @@ def test_outside_autocast_the_float32_call_runs_as_written(cuda_host):
     assert _cudnn_calls(jamp.nn.dot_product_attention, *low) == {"forward": ["bf16"]}
 
 
-def test_an_explicit_implementation_is_honoured_under_autocast():
-    q, k, v = _qkv((2, 8, 2, 16))
+def test_an_explicit_implementation_is_honoured_under_autocast(cuda_host):
+    q, k, v = _qkv((2, 8, 2, 48))
     closed = jax.make_jaxpr(jamp.autocast(lambda q, k, v: jamp.nn.dot_product_attention(q, k, v, implementation="xla"),
                                           dtype="bf16"))(q, k, v)
     assert not any("dot_product_attention_fwd" in e.primitive.name for e in eqns(closed))
@@ -86,6 +86,7 @@ def test_cpu_runs_xla_attention_with_low_precision_matmuls_and_float32_logits():
     dots = [(tuple(str(v.aval.dtype) for v in e.invars), str(e.outvars[0].aval.dtype))
             for e in eqns(jax.make_jaxpr(amp)(q, k, v)) if e.primitive.name == "dot_general"]
     assert dots == [(("bfloat16", "bfloat16"), "float32"), (("bfloat16", "bfloat16"), "bfloat16")]
+    assert _attention_jits(jax.make_jaxpr(amp)(q, k, v)) == [["bfloat16"] * 3]
 
 
 def _spec(shape, dtype=jnp.bfloat16):

@@ -37,6 +37,8 @@ from jamp.casting.dtypes import FLOAT32, is_eligible, is_low
 from jamp.casting.regions import EFFECTIVE_RULE, LOWER_F32_OUT
 from jamp.casting.tracing import traced_region, tracing_depth
 
+jc.hide_from_source_info(__file__)  # a recorded call points to the line that made it
+
 
 def _compute_dtype(dtype, recorded, compute):
     return compute if is_eligible(dtype) else dtype
