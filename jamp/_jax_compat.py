@@ -78,7 +78,7 @@ def name_stack_str(eqn) -> str:
 
 def hide_from_source_info(path: str) -> None:
     """Equations traced from the file ``path`` point to their caller's line, as JAX's own do (``jamp.explain``'s
-    source column, JAX's filtered tracebacks)."""
+    source column, the locations in lowered programs)."""
     source_info_util.register_exclusion(path)
 
 

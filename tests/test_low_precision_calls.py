@@ -222,14 +222,20 @@ def test_a_jitted_function_traced_under_autocast_runs_as_written_outside(wrap):
     assert block(W, X).dtype == jnp.float32
 
 
-def test_non_array_arguments_are_static_and_unhashable_ones_work():
+def test_only_floating_arrays_are_cast_and_other_arguments_are_static():
     @jamp.lower_precision
-    def kernel(a, config):
-        assert isinstance(config["scale"], float) and a.dtype == jnp.bfloat16
-        return a * config["scale"] + len(config["tags"])
+    def kernel(a, index, key, wide, config):
+        assert isinstance(config["scale"], float)  # static, even an unhashable pytree leaf beside it
+        assert (a.dtype, index.dtype, wide.dtype) == (jnp.bfloat16, jnp.int32, jnp.float64)
+        noise = jax.random.uniform(key, a.shape, a.dtype)
+        return a[index] * config["scale"] + len(config["tags"]) + 0 * noise[index] + wide.astype(a.dtype)
 
-    out = jamp.autocast(lambda x: kernel(x, {"scale": 0.5, "tags": {"a", "b"}}), dtype="bf16")(X)
-    np.testing.assert_allclose(out, X * 0.5 + 2, rtol=1e-2)
+    with jax.enable_x64(True):
+        wide = jnp.ones((), jnp.float64)
+        fn = lambda x, key: kernel(x, jnp.arange(2, dtype=jnp.int32), key, wide,  # noqa: E731
+                                   {"scale": 0.5, "tags": {"a", "b"}})
+        out = jamp.autocast(fn, dtype="bf16")(X, jax.random.key(0))
+    np.testing.assert_allclose(out, X[:2] * 0.5 + 3, rtol=1e-2)
 
 
 def test_lower_precision_requires_a_callable():
