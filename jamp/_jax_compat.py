@@ -162,6 +162,12 @@ def shard_map_body(out_specs, body):
     return subfun
 
 
+def jit_body(jitted, *args):
+    """The body a ``jitted(*args)`` equation holds as its ``JIT_JAXPR`` parameter, the very object (JAX caches
+    the trace), so that the equation can be recognised by its body (jamp.lower_precision's calls)."""
+    return jitted.trace(*args).jaxpr
+
+
 def cudnn_version() -> int | None:
     """cuDNN's version (91000 for 9.10) where JAX's CUDA plugin is installed, else None. Read where
     ``jax.nn.dot_product_attention(implementation="cudnn")`` reads it, so that both agree."""
@@ -205,5 +211,5 @@ __all__ = [
     "jaxprs_in_params", "weakref_lru_cache", "wrap_init", "user_context", "name_stack_str", "current_name_stack",
     "autocast_tracing", "hide_from_source_info", "source_location",
     "INLINE_WHILE_TRACING", "is_differentiated", "is_symbolic_zero", "shard_map_body", "split_bwd_result", "join_bwd_result",
-    "lower_for_cuda", "cudnn_version",
+    "lower_for_cuda", "cudnn_version", "jit_body",
 ]

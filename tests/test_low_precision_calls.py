@@ -85,10 +85,9 @@ FORMS = {
 }
 
 
-def _kernel_dtypes(closed) -> list:
-    """The dtypes of the equations only the kernels have (tanh, pallas_call), in the whole program."""
-    return sorted({str(v.aval.dtype) for e in eqns(closed) if e.primitive.name in ("tanh", "pallas_call")
-                   for v in e.invars})
+def _kernel_dtypes(closed, primitives=("tanh", "pallas_call")) -> list:
+    """The input dtypes of the equations only the kernels have, in the whole program."""
+    return sorted({str(v.aval.dtype) for e in eqns(closed) if e.primitive.name in primitives for v in e.invars})
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -103,7 +102,8 @@ def test_kernel_runs_in_bfloat16_forward_and_backward(kernel, form):
     for g, r in zip(grads, ref_grads):
         assert g.dtype == jnp.float32
         np.testing.assert_allclose(g, r, rtol=0.05, atol=0.1 * float(jnp.abs(r).max()))
-    assert _kernel_dtypes(jax.make_jaxpr(step)(W, X)) == [BF16]  # forward and backward
+    # forward and backward, with every matmul (the kernel's, its transposes, the model's)
+    assert _kernel_dtypes(jax.make_jaxpr(step)(W, X), ("tanh", "pallas_call", "dot_general")) == [BF16]
     assert set(TRACED) <= {(BF16, BF16)}  # never float32 (traces are cached across tests)
 
 

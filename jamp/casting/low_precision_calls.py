@@ -58,7 +58,7 @@ INPUT_DTYPE = {
 def input_dtypes(mode: str, compute_dtype, dtypes: Sequence, recorded: Sequence) -> tuple:
     """The dtype each input of a lower-precision call is traced with in region ``mode``."""
     choose = INPUT_DTYPE[EFFECTIVE_RULE[mode][oplists.LOWER]]
-    return tuple(np.dtype(choose(d, r, compute_dtype)) if jnp.issubdtype(d, jnp.floating) else np.dtype(d)
+    return tuple(np.dtype(choose(d, r, compute_dtype)) if jnp.issubdtype(d, jnp.floating) else d
                  for d, r in zip(dtypes, recorded))
 
 
@@ -126,7 +126,7 @@ class _Recording:
         self.jitted = jax.jit(body)
 
     def __call__(self, inputs: list) -> Any:
-        body = self.jitted.trace(*inputs).jaxpr
+        body = jc.jit_body(self.jitted, *inputs)
         with _recorded_lock:
             _RECORDED[body] = self.call
         return jax.tree.unflatten(self.out_tree, self.jitted(*inputs))
