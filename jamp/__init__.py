@@ -6,6 +6,8 @@ updates of float16/bfloat16 parameters) and :mod:`jamp.tools` (explain, find_ove
 public face.
 """
 
+from jamp import nn
+from jamp.casting.low_precision_calls import lower_precision
 from jamp.casting.policy import Policy, get_policy
 from jamp.casting.transform import autocast, custom_fwd
 from jamp.low_precision_params.kahan import kahan_summation
@@ -25,6 +27,8 @@ __all__ = [
     "autocast",
     "custom_fwd",
     "get_policy",
+    "lower_precision",
+    "nn",
     # gradient scaling
     "DisabledScalerState",
     "ScalerState",

@@ -13,6 +13,7 @@ import contextlib
 from typing import Any
 
 import jax
+from jax._src import config as jax_config
 from jax._src import source_info_util
 from jax._src.interpreters import partial_eval as pe
 from jax._src.util import weakref_lru_cache
@@ -73,6 +74,35 @@ def user_context(eqn):
 
 def name_stack_str(eqn) -> str:
     return str(eqn.source_info.name_stack)
+
+
+def hide_from_source_info(path: str) -> None:
+    """Equations traced from the file ``path`` point to their caller's line, as JAX's own do (``jamp.explain``'s
+    source column, the locations in lowered programs)."""
+    source_info_util.register_exclusion(path)
+
+
+def current_name_stack() -> str:
+    """The name scopes entered at this point of a trace ('outer/inner'), as ``name_stack_str`` spells them."""
+    return str(source_info_util.current_name_stack())
+
+
+def _autocast_tracing_state():
+    """A JAX configuration state in the trace context, which JAX's caches of traced jitted functions key
+    on: True while an autocast traces its function (see :mod:`jamp.casting.tracing`). Defined once per
+    process (a re-imported jamp finds it)."""
+    name = "jamp_autocast_tracing"
+    return jax_config.config_states.get(name) or jax_config.bool_state(
+        name, False, help="Set by jamp while jamp.autocast traces a function; not a user option.",
+        include_in_trace_context=True)
+
+
+_AUTOCAST_TRACING = _autocast_tracing_state()
+
+
+def autocast_tracing():
+    """A context manager that sets the state above for the trace it encloses."""
+    return _AUTOCAST_TRACING(True)
 
 
 def source_location(eqn) -> str:
@@ -168,6 +198,21 @@ def shard_map_body(out_specs, body):
     return subfun
 
 
+def jit_body(jitted, *args):
+    """The body a ``jitted(*args)`` equation holds as its ``JIT_JAXPR`` parameter, the very object (JAX caches
+    the trace), so that the equation can be recognised by its body (jamp.lower_precision's calls)."""
+    return jitted.trace(*args).jaxpr
+
+
+def cudnn_version() -> int | None:
+    """cuDNN's version (91000 for 9.10) where JAX's CUDA plugin is installed, else None. Read where
+    ``jax.nn.dot_product_attention(implementation="cudnn")`` reads it, so that both agree."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    versions = fused_attention_stablehlo.cuda_versions
+    return None if versions is None else versions.cudnn_get_version()
+
+
 def lower_for_cuda(fn, *args):
     """``jax.jit(fn)`` lowered for CUDA from any host (Pallas GPU kernels are checked this way on CPUs).
 
@@ -199,7 +244,9 @@ def _host_as_h100():
 
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Literal", "Var", "convert_constvars_jaxpr", "jaxpr_as_fun",
-    "jaxprs_in_params", "weakref_lru_cache", "wrap_init", "user_context", "name_stack_str", "source_location",
+    "jaxprs_in_params", "weakref_lru_cache", "wrap_init", "user_context", "name_stack_str", "current_name_stack",
+    "autocast_tracing", "hide_from_source_info", "source_location",
     "INLINE_WHILE_TRACING", "is_differentiated", "is_symbolic_zero", "shard_map_body", "split_bwd_result", "join_bwd_result",
     "lower_for_cuda", "jaxpr_trace_of", "producer", "producer_inputs", "made_by_backward_pass",
+    "cudnn_version", "jit_body",
 ]

@@ -95,6 +95,15 @@ def test_custom_vjp_bwd_protocol():
         "does not describe it")
 
 
+def test_jit_body_is_the_object_the_equation_holds():
+    jitted = jax.jit(jnp.sin)
+    body = jc.jit_body(jitted, 1.0)
+    eqn = first_eqn(jax.make_jaxpr(lambda x: jitted(x) + jitted(x))(1.0), jc.JIT)
+    assert eqn.params[jc.JIT_JAXPR] is body, (
+        f"jax {jax.__version__}: jitted.trace(...).jaxpr is not the {jc.JIT_JAXPR!r} parameter of the equation; "
+        "jamp/_jax_compat.py jit_body must find it another way")
+
+
 def test_builtin_policies_are_built_from_the_tables():
     for device, oplist in oplists.OPLIST_OF_DEVICE.items():
         policy = jamp.get_policy(device)

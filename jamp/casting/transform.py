@@ -34,25 +34,11 @@ from jamp.casting.policy import (
     get_policy,
 )
 from jamp.casting.regions import Region, marker_for
+from jamp.casting.tracing import Tracing, tracing_depth
 
 _CACHE_SIZE = 64
 # Traces of one array signature after which a static value that keeps changing is reported, once.
 _RETRACE_WARNING = 16
-_state = threading.local()
-
-
-def _tracing_depth() -> int:
-    return getattr(_state, "depth", 0)
-
-
-class _Tracing:
-    """Marks that an autocast is tracing its function: nested autocasts then become regions."""
-
-    def __enter__(self):
-        _state.depth = _tracing_depth() + 1
-
-    def __exit__(self, *exc):
-        _state.depth -= 1
 
 
 def _is_dynamic(x: Any) -> bool:
@@ -224,7 +210,7 @@ class Autocast:
         return _region_of(self.enabled, self._dtype, self._device_type, self._policy_arg)
 
     def __call__(self, *args, **kwargs):
-        if _tracing_depth():
+        if tracing_depth():
             with jax.named_scope(marker_for(self._region())):
                 return self.fun(*args, **kwargs)
         if not self.enabled:
@@ -381,7 +367,7 @@ class Autocast:
             out_tree.append(tree)
             return out_leaves
 
-        with _Tracing():
+        with Tracing(self.policy):
             closed = jax.make_jaxpr(flat_fun)(*avals)
         return closed, out_tree[0]
 
@@ -447,7 +433,7 @@ class AutocastSpec:
         if any(not _same(self._options[k], _DEFAULT_OPTIONS[k]) for k in ("static_argnums", "static_argnames")):
             raise TypeError("static_argnums and static_argnames describe a function's arguments; "
                             f"a `with {self!r}:` block has none")
-        if _tracing_depth():
+        if tracing_depth():
             scope = jax.named_scope(marker_for(_region_of(self._enabled, self._dtype, self._device_type,
                                                           self._policy_arg)))
         elif not self._enabled:
@@ -521,7 +507,7 @@ def custom_fwd(fun: Callable | None = None, /, *, cast_inputs: Any = None):
 
     @functools.wraps(fun)
     def wrapper(*args, **kwargs):
-        if dtype is None or not _tracing_depth():
+        if dtype is None or not tracing_depth():
             return fun(*args, **kwargs)
         cast = lambda x: x.astype(dtype) if _is_dynamic(x) and is_eligible(jnp.result_type(x)) else x  # noqa: E731
         args, kwargs = jax.tree.map(cast, (args, kwargs))

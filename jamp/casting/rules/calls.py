@@ -1,17 +1,19 @@
 """jit and remat: dtype-propagating. Their bodies are re-traced with the dtypes that arrive, so
 low-precision activations flow through nested jits and checkpointed blocks without boundary casts;
-arity is unchanged, so shardings, donation and remat policies stay valid."""
+arity is unchanged, so shardings, donation and remat policies stay valid. A jit that records a
+``jamp.lower_precision`` call is traced again from its function (:mod:`jamp.casting.rules.low_precision`)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from jamp import _jax_compat as jc
-from jamp.casting import oplists
+from jamp.casting import low_precision_calls, oplists
 from jamp.casting.call import Call, avals_of
 from jamp.casting.interpreter import retrace, retrace_open
 from jamp.casting.policy import OFF, Policy
 from jamp.casting.regions import F32
+from jamp.casting.rules import low_precision
 
 
 @jc.weakref_lru_cache
@@ -29,6 +31,11 @@ def jit_body_ctx(call: Call):
 
 
 def jit(call: Call):
+    recorded = low_precision_calls.recorded_call(call.params[jc.JIT_JAXPR])
+    lowered = None if recorded is None else low_precision.retraced(call, recorded)
+    if lowered is not None:  # a jamp.lower_precision call: the function, traced in this region's dtypes
+        invals, body = lowered
+        return call.bind(invals, **{jc.JIT_JAXPR: body})
     new = retrace(call.params[jc.JIT_JAXPR], avals_of(call.invals), jit_body_ctx(call), None)
     return call.bind(**{jc.JIT_JAXPR: new})
 

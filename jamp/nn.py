@@ -1,0 +1,213 @@
+"""Fused attention that autocast runs in the compute dtype: ``jamp.nn.dot_product_attention``.
+
+torch's ``scaled_dot_product_attention`` under autocast runs its flash kernel in the autocast dtype, so a
+float32 model gets flash attention. JAX's cuDNN kernel refuses float32 while it is traced; wrapped with
+:func:`jamp.lower_precision`, the call is traced in the region's compute dtype instead, and the
+implementation is picked for the dtype it is traced with: cuDNN's flash attention where the backend is
+CUDA and the kernel supports the call (the conditions JAX checks), else XLA's. Outside autocast the same
+call runs on the dtypes it is given (a float32 model: XLA's implementation, as ``jax.nn``'s default).
+
+The adapters give flax's attention modules (``attention_fn=``) and Equinox's ``MultiheadAttention`` the
+same call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jamp import _jax_compat as jc
+from jamp.casting.dtypes import LOW_DTYPES
+from jamp.casting.low_precision_calls import lower_precision
+
+jc.hide_from_source_info(__file__)  # an attention call points to the model's line
+
+
+class _Cuda(NamedTuple):
+    cudnn: int                   # 91000 for cuDNN 9.10
+    capability: tuple[int, int]  # (9, 0) for an H100
+
+
+def _cuda() -> _Cuda | None:
+    """The cuDNN version and the GPU's compute capability where the backend is CUDA with cuDNN, else None."""
+    if jax.default_backend() != "gpu":
+        return None
+    version = jc.cudnn_version()
+    if version is None:  # a ROCm GPU
+        return None
+    major, minor = jax.devices()[0].compute_capability.split(".")
+    return _Cuda(version, (int(major), int(minor)))
+
+
+def _as_4d(shape: tuple) -> tuple:
+    return (1,) * (4 - len(shape)) + tuple(shape)
+
+
+def cudnn_refusal(query, key, value, bias=None, mask=None, *, is_causal: bool = False,
+                  local_window_size: int | tuple[int, int] | None = None) -> str | None:
+    """Why cuDNN's flash attention would refuse this call, or None if it runs it: the conditions
+    ``jax.nn.dot_product_attention(implementation="cudnn")`` checks (``check_layout``,
+    ``check_is_flash_attention``) for float16/bfloat16 inputs, read off the arguments' shapes and dtypes.
+    A bias or mask needs even sequence lengths because the call may be differentiated."""
+    cuda = _cuda()
+    if cuda is None:
+        return "the backend is not CUDA with cuDNN"
+    dtypes = {np.dtype(x.dtype) for x in (query, key, value)}
+    if len(dtypes) > 1 or dtypes.pop() not in LOW_DTYPES:
+        return "cuDNN takes float16 or bfloat16 query, key and value of one dtype"
+    _, t, _, head = _as_4d(query.shape)
+    _, s, _, value_head = _as_4d(value.shape)
+    max_head = 256 if cuda.capability >= (9, 0) else 128
+    if head % 8 or head > max_head:
+        return f"the head dimension must be a multiple of 8 and at most {max_head}, got {head}"
+    if head != value_head and (cuda.cudnn < 91000 or cuda.capability < (9, 0)):
+        return "a value head dimension other than the query's needs cuDNN 9.10 and a Hopper GPU"
+    if cuda.capability == (10, 3) and cuda.cudnn < 91100:
+        return "compute capability 10.3 needs cuDNN 9.11"
+    masks = [_as_4d(x.shape) for x in (bias, mask) if x is not None]
+    if masks:
+        if np.broadcast_shapes(*masks)[-2:] != (t, s):
+            return "cuDNN takes a bias or mask that spans the query and key lengths (no broadcasting there)"
+        if t % 2 or s % 2:
+            return "cuDNN's backward pass with a bias or mask needs even sequence lengths"
+    if local_window_size is not None:
+        right = local_window_size if isinstance(local_window_size, int) else local_window_size[1]
+        if right and not is_causal:
+            return "cuDNN's local window has no right part unless the attention is causal"
+    return None
+
+
+@lower_precision
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Literal["xla", "cudnn"] | None = None,
+    return_residual: bool = False,
+) -> Any:
+    """``jax.nn.dot_product_attention`` (same arguments and result), run in the autocast compute dtype.
+
+    Under ``jamp.autocast``, the floating inputs are cast to the region's compute dtype before the call
+    is traced (:func:`jamp.lower_precision`), so cuDNN's flash attention runs for a float32 model.
+    ``implementation=None`` picks ``"cudnn"`` where the backend is CUDA and cuDNN supports the call in the
+    dtype it is traced with (:func:`cudnn_refusal` says why not), else ``"xla"``; an explicit
+    ``implementation`` is passed on as given. Outside autocast the call runs on the dtypes it is given.
+    """
+    if implementation is None:
+        refused = cudnn_refusal(query, key, value, bias, mask, is_causal=is_causal,
+                                local_window_size=local_window_size)
+        implementation = "xla" if refused else "cudnn"
+    return jax.nn.dot_product_attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+        implementation=implementation, return_residual=return_residual)
+
+
+def _refuse(condition: bool, message: str) -> None:
+    if condition:
+        raise ValueError(f"jamp.nn: {message}")
+
+
+def _merged_batch(x: jax.Array | None, batch: tuple) -> jax.Array | None:
+    """``x`` ([batch..., a, b, c], leading dims broadcastable to ``batch``) as [prod(batch), a, b, c]."""
+    if x is None:
+        return None
+    x = jnp.reshape(x, (1,) * (3 - x.ndim) + x.shape) if x.ndim < 3 else x
+    x = jnp.broadcast_to(x, batch + x.shape[-3:])
+    return jnp.reshape(x, (math.prod(batch), *x.shape[-3:]))
+
+
+def flax_dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: Any = None,
+    force_fp32_for_softmax: bool = False,
+    einsum_dot_general: Callable | None = None,
+    qk_attn_weights_einsum: Callable | None = None,
+    attn_weights_value_einsum: Callable | None = None,
+    is_causal: bool = False,
+) -> jax.Array:
+    """:func:`dot_product_attention` with flax's ``attention_fn`` signature, for
+    ``flax.linen.MultiHeadDotProductAttention(attention_fn=...)`` and
+    ``flax.nnx.MultiHeadAttention(attention_fn=...)``.
+
+    Inputs are ``[batch..., length, heads, head_dim]``; a ``mask`` (True attends, any dtype) and a
+    ``bias`` broadcast to ``[batch..., heads, q_length, kv_length]``; ``dtype`` promotes query, key and
+    value as flax does. A fused kernel never forms the attention weights, so dropout on them
+    (``dropout_rate > 0`` and not ``deterministic``), sowing them (``module``) and custom einsums are
+    refused with a ValueError. ``precision`` is not applied (flax's own ``dot_product_attention`` drops it
+    too when it calls ``jax.nn.dot_product_attention``) and ``force_fp32_for_softmax`` always holds: both
+    implementations compute the softmax in float32.
+    """
+    del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
+    _refuse(dropout_rate > 0 and not deterministic,
+            f"dropout_rate={dropout_rate} with deterministic=False asks for dropout on the attention weights, "
+            "which fused attention never forms; use dropout_rate=0 (or deterministic=True), or flax's "
+            "dot_product_attention")
+    _refuse(module is not None, "sowing the attention weights (module=, sow_weights=True) needs the weights, which "
+                                "fused attention never forms")
+    for name, value_ in (("einsum_dot_general", einsum_dot_general), ("qk_attn_weights_einsum", qk_attn_weights_einsum),
+                         ("attn_weights_value_einsum", attn_weights_value_einsum)):
+        _refuse(value_ is not None, f"{name} replaces an einsum that fused attention does not have; pass None")
+    dtype = jnp.result_type(query, key, value) if dtype is None else dtype
+    query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+    mask = None if mask is None else jnp.asarray(mask).astype(bool)
+    shape = query.shape
+    if query.ndim > 4:  # jax.nn takes one batch dimension
+        batch = shape[:-3]
+        query, key, value, bias, mask = (_merged_batch(x, batch) for x in (query, key, value, bias, mask))
+    out = dot_product_attention(query, key, value, bias, mask, is_causal=is_causal)
+    return jnp.reshape(out, shape[:-1] + out.shape[-1:])
+
+
+def equinox_multihead_attention(attention: Any, query: jax.Array, key_: jax.Array, value: jax.Array,
+                                mask: jax.Array | None = None, *, key: jax.Array | None = None,
+                                inference: bool | None = None,
+                                process_heads: Callable | None = None) -> jax.Array:
+    """``attention(query, key_, value, mask)`` for an ``equinox.nn.MultiheadAttention``, with its heads
+    computed by :func:`dot_product_attention` (Equinox's module has no ``attention_fn`` to swap).
+
+    Same arguments as the module's ``__call__``: unbatched ``[length, size]`` inputs, a boolean ``mask`` of
+    shape ``[q_length, kv_length]`` or ``[heads, q_length, kv_length]``. Dropout on the attention weights
+    (the module's ``dropout.p > 0`` outside inference) is refused with a ValueError: fused attention never
+    forms the weights.
+    """
+    del key
+    inference = attention.dropout.inference if inference is None else inference
+    _refuse(attention.dropout.p > 0 and not inference,
+            f"the module's dropout (p={attention.dropout.p}) acts on the attention weights, which fused attention "
+            "never forms; call it with inference=True, or call the module itself")
+    heads = [jax.vmap(proj)(x).reshape(x.shape[0], attention.num_heads, -1)
+             for proj, x in ((attention.query_proj, query), (attention.key_proj, key_),
+                             (attention.value_proj, value))]
+    if process_heads is not None:
+        shapes = [h.shape for h in heads]
+        heads = list(process_heads(*heads))
+        _refuse([h.shape for h in heads] != shapes, "process_heads must not change the shape of the heads")
+    out = dot_product_attention(*heads, mask=None if mask is None else mask.astype(bool))
+    return jax.vmap(attention.output_proj)(out.reshape(query.shape[0], -1))
+
+
+__all__ = ["cudnn_refusal", "dot_product_attention", "equinox_multihead_attention", "flax_dot_product_attention"]
