@@ -6,6 +6,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import jamp
@@ -77,3 +78,23 @@ def test_positional_device_type_shows_the_keyword_call(args, kwargs, call):
 def test_non_string_non_callable_keeps_the_plain_message():
     with pytest.raises(TypeError, match=r"requires a callable, but got int"):
         jamp.autocast(3)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("method,shown", [
+    ("step", r"updates, opt_state = tx\.update\(grads, opt_state, params\)"),
+    ("scale", r"jamp\.scale\(loss, opt_state\)"),
+    ("unscale_", r"not needed.*jamp\.scaler\(optax\.clip_by_global_norm\(1\.0\), optax\.adam\(1e-3\)\)"),
+    ("get_scale", r"jamp\.get_scale\(opt_state\)"),
+    ("set_growth_factor",
+     r"opt_state = jamp\.load_state_dict\(opt_state, \{\*\*jamp\.state_dict\(opt_state\), 'growth_factor'"),
+])
+def test_grad_scaler_methods_on_the_transformation_say_what_to_write(enabled, method, shown):
+    """scaler.step(optimizer) and the other GradScaler methods, tried on what jamp.scaler returns."""
+    tx = jamp.scaler(optax.adam(1e-3), enabled=enabled)
+    expected = rf"^jamp\.scaler\(\.\.\.\)\.{method}: torch's scaler\.{method} is {shown}"
+    with pytest.raises(AttributeError, match=expected):
+        getattr(tx, method)
+    assert isinstance(tx, optax.GradientTransformationExtraArgs) and not hasattr(tx, "no_such_name")
+    state = optax.chain(tx, optax.identity()).init({"w": jnp.ones(2)})  # still an optax transformation
+    assert jax.tree.leaves(state)

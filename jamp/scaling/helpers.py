@@ -71,7 +71,9 @@ def set_scale(opt_state: Any, new_scale: Any) -> Any:
 def value_and_grad(
     fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False
 ) -> Callable[..., tuple[Any, Any]]:
-    """``jax.value_and_grad`` of the scaled loss, returning the unscaled loss.
+    """``jax.value_and_grad`` of the scaled loss, returning the unscaled loss: a shorthand for differentiating
+    ``jamp.scale(loss, opt_state)`` with the loss as auxiliary output, the form the docs teach (Equinox and
+    NNX users call ``jamp.scale`` inside ``eqx.filter_value_and_grad``/``nnx.value_and_grad`` the same way).
 
     ``jamp.value_and_grad(loss_fn, argnums, has_aux)(opt_state, *args, **kwargs)`` returns
     ``(loss, scaled_grads)`` (``((loss, aux), scaled_grads)`` with ``has_aux``): ``loss`` is what

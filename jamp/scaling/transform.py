@@ -18,6 +18,7 @@ import optax
 
 import jamp_kernels
 from jamp._arguments import checked_bool, checked_transformation
+from jamp._torch_names import ScalerTransformation
 from jamp.scaling import rule as scale_rule
 from jamp.scaling import skip, skip_warning, unscaled_grads
 from jamp.scaling import state as scaler_state
@@ -115,14 +116,14 @@ def scaler(
     max_scale: float | None = None,
     warn_after_skips: int | None = 32,
     warn_below_scale: float | None = 1.0,
-) -> optax.GradientTransformationExtraArgs:
+) -> ScalerTransformation:
     """Dynamic loss scaling around ``inner`` (several transformations are chained), as torch's GradScaler.
 
     ``update(scaled_grads, state, params, **extra)`` unscales by ``float32(1/scale)`` in float32 (float64
     leaves in float64), looks for inf/NaN in the scaled grads (combined over ``axis_name`` when given),
     then either applies ``inner`` or returns zero updates with ``inner``'s state bit-identical, and moves
     the scale by torch's ``_amp_update_scale_`` rule (:mod:`jamp.scaling.rule`). Produce the scaled grads
-    with ``jamp.scale(loss, opt_state)`` or ``jamp.value_and_grad``.
+    by differentiating ``jamp.scale(loss, opt_state)`` inside the function you take the gradient of.
 
     ``backend`` picks the finite check (``jamp_kernels.has_nonfinite``): "auto" (one Pallas kernel launch over
     all leaves on CUDA, XLA elsewhere: on a CPU elementwise loops over views of the gradients, see
@@ -181,10 +182,10 @@ def scaler(
             scale=scale, growth_tracker=tracker, found_inf=found_inf, inner_state=inner_state, **episode
         )
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    return ScalerTransformation(init, update)
 
 
-def _disabled(inner_tx: optax.GradientTransformationExtraArgs) -> optax.GradientTransformationExtraArgs:
+def _disabled(inner_tx: optax.GradientTransformationExtraArgs) -> ScalerTransformation:
     """torch's disabled GradScaler: ``step`` is ``optimizer.step``, nothing else happens."""
 
     def init(params):
@@ -194,4 +195,4 @@ def _disabled(inner_tx: optax.GradientTransformationExtraArgs) -> optax.Gradient
         updates, inner_state = inner_tx.update(grads, state.inner_state, params, **extra)
         return updates, DisabledScalerState(inner_state)
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    return ScalerTransformation(init, update)

@@ -92,6 +92,6 @@ def check(grads: Any, scale: Any, stacklevel: int) -> None:
             "jamp.scale: they do not depend on the loss scale, which the scaler divides them by anyway, so every "
             "update comes out that much too small (65536 times at the default init_scale). Differentiate the "
             "scaled loss with the opt_state you pass to tx.update: grads = jax.grad(lambda p: "
-            "jamp.scale(loss_fn(p, batch), opt_state))(params), or loss, grads = "
-            "jamp.value_and_grad(loss_fn)(opt_state, params, batch).",
+            "jamp.scale(loss_fn(p, batch), opt_state))(params), with the loss as auxiliary output if you "
+            "log it.",
             UnscaledGradientsWarning, stacklevel=stacklevel + 1)
