@@ -82,7 +82,8 @@ def test_an_explicit_implementation_is_honoured_under_autocast(cuda_host):
 def test_cpu_runs_xla_attention_with_low_precision_matmuls_and_float32_logits():
     q, k, v = _qkv((2, 8, 2, 16))
     amp = jamp.autocast(lambda q, k, v: jamp.nn.dot_product_attention(q, k, v, is_causal=True), dtype="bf16")
-    np.testing.assert_allclose(amp(q, k, v), jax.nn.dot_product_attention(q, k, v, is_causal=True), atol=0.03)
+    expected = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))(q, k, v)
+    np.testing.assert_allclose(amp(q, k, v), expected, atol=0.03)
     dots = [(tuple(str(v.aval.dtype) for v in e.invars), str(e.outvars[0].aval.dtype))
             for e in eqns(jax.make_jaxpr(amp)(q, k, v)) if e.primitive.name == "dot_general"]
     assert dots == [(("bfloat16", "bfloat16"), "float32"), (("bfloat16", "bfloat16"), "bfloat16")]
@@ -131,14 +132,15 @@ def _linen(shape, attention_fn=jamp.nn.flax_dot_product_attention):
     x = jax.random.normal(jax.random.key(0), shape)
     mask = nn.make_causal_mask(x[..., 0])  # float32 ones and zeros, as flax makes them
     module = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=shape[-1], attention_fn=attention_fn)
-    return module, module.init(jax.random.key(1), x, x, mask=mask), x, mask
+    return module, jax.jit(module.init)(jax.random.key(1), x, x, mask=mask), x, mask
 
 
 def test_linen_attention_module_with_float32_params():
     module, params, x, mask = _linen((2, 8, 16))
     reference = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)  # flax's own attention
-    expected = reference.apply(params, x, x, mask=mask)
-    np.testing.assert_allclose(module.apply(params, x, x, mask=mask), expected, atol=1e-5)
+    expected = jax.jit(lambda p, x, mask: reference.apply(p, x, x, mask=mask))(params, x, mask)
+    np.testing.assert_allclose(jax.jit(lambda p, x, mask: module.apply(p, x, x, mask=mask))(params, x, mask),
+                               expected, atol=1e-5)
     amp = jamp.autocast(lambda p, x, mask: module.apply(p, x, x, mask=mask), dtype="bf16")
     np.testing.assert_allclose(amp(params, x, mask), expected, atol=0.05)
     assert _attention_jits(jax.make_jaxpr(amp)(params, x, mask)) == [["bfloat16"] * 3 + ["bool"]]
@@ -176,8 +178,9 @@ def test_equinox_multihead_attention_with_float32_params():
     mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=16, key=jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (8, 16))
     mask = jnp.tril(jnp.ones((8, 8), bool))
-    expected = mha(x, x, x, mask)
-    np.testing.assert_allclose(jamp.nn.equinox_multihead_attention(mha, x, x, x, mask), expected, atol=1e-5)
+    expected = eqx.filter_jit(lambda mha, x: mha(x, x, x, mask))(mha, x)
+    fused = eqx.filter_jit(lambda mha, x: jamp.nn.equinox_multihead_attention(mha, x, x, x, mask))(mha, x)
+    np.testing.assert_allclose(fused, expected, atol=1e-5)
     amp = jamp.autocast(lambda mha, x: jamp.nn.equinox_multihead_attention(mha, x, x, x, mask), dtype="bf16")
     np.testing.assert_allclose(amp(mha, x), expected, atol=0.05)
     assert _attention_jits(jax.make_jaxpr(lambda x: amp(mha, x))(x)) == [["bfloat16"] * 3 + ["bool"]]
@@ -188,8 +191,10 @@ def test_equinox_dropout_on_the_weights_is_refused_outside_inference():
     x = jnp.ones((4, 16))
     with pytest.raises(ValueError, match=r"dropout \(p=0.1\) acts on the attention weights"):
         jamp.nn.equinox_multihead_attention(mha, x, x, x, key=jax.random.key(1))
-    np.testing.assert_allclose(jamp.nn.equinox_multihead_attention(mha, x, x, x, inference=True),
-                               mha(x, x, x, inference=True), atol=1e-5)
+    fused, expected = (eqx.filter_jit(f)(mha, x) for f in (
+        lambda mha, x: jamp.nn.equinox_multihead_attention(mha, x, x, x, inference=True),
+        lambda mha, x: mha(x, x, x, inference=True)))
+    np.testing.assert_allclose(fused, expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -206,6 +211,7 @@ def test_flax_adapter_refuses_what_fused_attention_cannot_do(kwargs, match):
 def test_flax_adapter_takes_several_batch_dimensions_and_dtype():
     q, k, v = _qkv((3, 2, 8, 2, 16))
     mask = jnp.tril(jnp.ones((8, 8)))[None, None, None]  # broadcast over both batch dimensions and the heads
-    out = jamp.nn.flax_dot_product_attention(q, k, v, mask=mask, dtype=jnp.bfloat16)
+    out = jax.jit(lambda q, k, v: jamp.nn.flax_dot_product_attention(q, k, v, mask=mask, dtype=jnp.bfloat16))(q, k, v)
     assert out.shape == q.shape and out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(out, nn.dot_product_attention(q, k, v, mask=mask), atol=0.03)
+    np.testing.assert_allclose(out, jax.jit(lambda q, k, v: nn.dot_product_attention(q, k, v, mask=mask))(q, k, v),
+                               atol=0.03)
