@@ -87,12 +87,13 @@ def _is_default(value: Any, default: Any) -> bool:
 
 def autocast_needs_a_function(fun: Any, options: dict[str, Any], defaults: dict[str, Any]) -> TypeError:
     """The error for ``jamp.autocast(fun, **options)`` with a ``fun`` that is not callable. A string is torch's
-    positional ``device_type`` (``torch.autocast("cuda", dtype=torch.float16)``), or a dtype: the message
+    positional ``device_type`` (``torch.autocast("cuda", dtype=torch.float16)``) or a dtype name: the message
     shows the call with it as a keyword, beside the keywords given that differ from ``defaults``."""
-    if not isinstance(fun, str):
-        return TypeError(f"autocast()(fun) requires a callable, but got {type(fun).__name__}. "
+    keyword = ("device_type" if fun in oplists.DEVICE_ALIASES else "dtype" if fun in DTYPE_NAMES else None) \
+        if isinstance(fun, str) else None
+    if keyword is None:
+        return TypeError(f"autocast()(fun) requires a callable, but got {type(fun).__name__} {fun!r:.60}. "
                          "Use jamp.autocast(f)(*args) or @jamp.autocast.")
-    keyword = "dtype" if fun in DTYPE_NAMES and fun not in oplists.DEVICE_ALIASES else "device_type"
     given = {keyword: fun, **{k: v for k, v in options.items() if k != keyword and not _is_default(v, defaults[k])}}
     keywords = ", ".join(f"{k}={_keyword_value(k, v)}" for k, v in given.items())
     return TypeError(
