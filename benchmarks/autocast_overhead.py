@@ -11,8 +11,8 @@ Reported per variant, with ratios against float32 and against the hand-cast mode
 trace time (``jax.make_jaxpr`` of the step around a new forward function, i.e. autocast's cache miss, and
 around an already-used one, i.e. its cache hit, which must not call the Python loss again; the forward
 trace and the interpreter rewrite separately), lower and compile time, the jaxpr's op mix (forward +
-backward), ``convert`` ops and dots in the optimized HLO, ``compiled.memory_analysis()``, the bytes
-``jax.vjp`` saves for the backward pass, and the runtime per step. Timings run in interleaved rounds, so
+backward), ``convert`` and ``reduce-precision`` ops and dots in the optimized HLO,
+``compiled.memory_analysis()``, the bytes ``jax.vjp`` saves for the backward pass, and the runtime per step. Timings run in interleaved rounds, so
 drifting machine load hits all variants alike. Below the table: where non-low-precision dots come from,
 and the modules where autocast's converts differ from the hand-cast model's.
 
@@ -173,10 +173,12 @@ def op_mix(closed: ClosedJaxpr) -> tuple[dict, dict[str, collections.Counter]]:
 
 
 def hlo_counts(text: str) -> dict:
-    """``convert(`` ops and dots by result type in the optimized HLO text."""
+    """``convert(`` and ``reduce-precision(`` ops (autocast's explicit roundings, ``jamp.casting.rounding``) and
+    dots by result type in the optimized HLO text."""
     dot_types = collections.Counter(re.findall(r"= (\w+)\[[^\]]*\]\S* dot\(", text))
     low = sum(n for t, n in dot_types.items() if t in ("bf16", "f16"))
-    return {"hlo_converts": text.count(" convert("), "hlo_dots_low": low, "hlo_dots_f32": dot_types["f32"]}
+    return {"hlo_converts": text.count(" convert("), "hlo_reduce_precision": text.count(" reduce-precision("),
+            "hlo_dots_low": low, "hlo_dots_f32": dot_types["f32"]}
 
 
 def nbytes(variables: set) -> int:
@@ -268,6 +270,7 @@ ROWS = [  # key, label, scale, format
     ("dots_mixed", "jaxpr dot_general mixed", 1, ".0f"),
     ("converts", "jaxpr convert_element_type", 1, ".0f"),
     ("hlo_converts", "optimized HLO convert(", 1, ".0f"),
+    ("hlo_reduce_precision", "optimized HLO reduce-precision(", 1, ".0f"),
     ("hlo_dots_low", "optimized HLO dot bf16/f16 result", 1, ".0f"),
     ("hlo_dots_f32", "optimized HLO dot f32 result", 1, ".0f"),
     ("temp", "compiled temp (MiB)", 1, ".1f"),
