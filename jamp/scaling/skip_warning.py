@@ -78,7 +78,7 @@ class SkipWarning:
         below = None if warn_below_scale is None else \
             np.float32(scaler_state.checked_float("warn_below_scale", warn_below_scale))
         self.limits = Thresholds(after, below)
-        self._last: tuple | None = None  # what the host said last
+        self._last: str | None = None  # what the host said last
         self._lock = threading.Lock()  # replicas call from several threads
 
     def track(self, state: ScalerState, found_inf: jax.Array, new_scale: jax.Array) -> dict:
@@ -117,7 +117,7 @@ def message(skips: int, scale: float, fell: bool, limits: Thresholds) -> str:
     """What the warning says: what happened, the likely causes, where to look, how to silence it."""
     if fell:
         what = (f"the loss scale fell below {float(limits.below_scale):g} (warn_below_scale) to {scale:g}, "
-                f"{skips} update(s) skipped in a row: the scaled gradients keep holding inf/NaN")
+                f"{skips} update(s) skipped in a row because the scaled gradients held inf/NaN")
     else:
         what = (f"{skips} updates in a row were skipped because the scaled gradients held inf/NaN; the parameters "
                 f"and the optimizer state have not changed since, and the loss scale is down to {scale:g}")
