@@ -3,8 +3,9 @@
 XLA's default flags allow "excess precision": where a backend computes a bfloat16 op in float32 (XLA:CPU
 does for most of them: float normalization), a float32 reader gets the op's unrounded result, and XLA:GPU
 drops every ``convert(convert(y, float16 or bfloat16), float32)`` pair. Readers differ, so one value can be
-seen rounded by one consumer and unrounded by another. A float32 program has no such seams; autocast adds them where it reads a low-precision value in
-float32 (an op on the float32 list, promotion to float32, a float32 output, a sum it widens): under
+seen rounded by one consumer and unrounded by another. A float32 program has no such seams; autocast adds
+them where it reads a low-precision value in float32 (an op on the float32 list, promotion to float32, a
+float32 output, a sum it widens, the scaling of a float8 operand): under
 ``jax.jit(jamp.autocast(...))`` a softmax cross-entropy's log-sum-exp saw the unrounded bfloat16 logits
 and its gathered label logit the rounded ones, and 10% of the per-example losses came out negative.
 
