@@ -61,7 +61,7 @@ def call(invoke: Callable, args: list, kwargs: dict) -> tuple[Any, Any]:
     nnx = flax_nnx()
     kwargs = dict(kwargs)
     graphdef, state = kwargs.pop(STATE)
-    before = {path: jax.tree.leaves(v) for path, v in nnx.to_flat_state(state)}  # merge reuses the Variables
+    before = {path: jax.tree.flatten(v) for path, v in nnx.to_flat_state(state)}  # merge reuses the Variables
     copies = nnx.merge(graphdef, state)
     args, kwargs = jax.tree.map(lambda x: copies[x.index] if isinstance(x, _Slot) else x, (args, kwargs),
                                 is_leaf=lambda x: isinstance(x, _Slot))
@@ -69,12 +69,22 @@ def call(invoke: Callable, args: list, kwargs: dict) -> tuple[Any, Any]:
     new_graphdef, new_state = nnx.split(copies)
     if new_graphdef != graphdef:
         raise ValueError(
-            "jamp.autocast: the call changed the structure of an NNX module it was given (it added, removed or "
-            "replaced a submodule or a variable); jamp writes back the values of existing variables, as "
-            "nnx.jit does for values. Create them before the first autocast call.")
-    changed = [(path, v) for path, v in nnx.to_flat_state(new_state)
-               if any(a is not b for a, b in zip(jax.tree.leaves(v), before[path]))]
+            "jamp.autocast: the call changed the structure of an NNX module it was given: it added or removed "
+            "a variable or submodule (`Module.sow` adds one), replaced one by another of a different structure, "
+            "or changed a static attribute (a Python number or string) or a variable's metadata. nnx.jit "
+            "carries such changes; jamp.autocast writes back the values of the variables the module had, any "
+            "value, so create them before the call (in `__init__`, `nnx.Variable(None)` for a value filled "
+            "later), keep counters in a Variable, and collect sown values with `nnx.capture(amp_call, "
+            "nnx.Intermediate)(model, x)`, where `amp_call = jamp.autocast(lambda m, x: m(x))`.")
+    changed = [(path, v) for path, v in nnx.to_flat_state(new_state) if _written(jax.tree.flatten(v), before[path])]
     return out, nnx.from_flat_state(changed)
+
+
+def _written(after: tuple[list, Any], before: tuple[list, Any]) -> bool:
+    """Whether a variable's ``(leaves, treedef)`` changed: a new array, or a new structure of its value (a cache
+    filled from None, emptied, or given new keys), which has other leaves, or none, or as many but other ones."""
+    (leaves, treedef), (old_leaves, old_treedef) = after, before
+    return treedef != old_treedef or any(a is not b for a, b in zip(leaves, old_leaves))
 
 
 def write_back(nodes: tuple, writes: Any) -> None:
