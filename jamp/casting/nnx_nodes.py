@@ -57,7 +57,7 @@ def lift(args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
 def call(invoke: Callable, args: list, kwargs: dict) -> tuple[Any, Any]:
     """``(invoke's outputs, the variables it changed)``: ``invoke`` runs on merged copies of the lifted nodes."""
     if STATE not in kwargs:
-        return invoke(args, kwargs), None
+        return _hinted(invoke, args, kwargs), None
     nnx = flax_nnx()
     kwargs = dict(kwargs)
     graphdef, state = kwargs.pop(STATE)
@@ -65,7 +65,7 @@ def call(invoke: Callable, args: list, kwargs: dict) -> tuple[Any, Any]:
     copies = nnx.merge(graphdef, state)
     args, kwargs = jax.tree.map(lambda x: copies[x.index] if isinstance(x, _Slot) else x, (args, kwargs),
                                 is_leaf=lambda x: isinstance(x, _Slot))
-    out = invoke(args, kwargs)
+    out = _hinted(invoke, args, kwargs)
     new_graphdef, new_state = nnx.split(copies)
     if new_graphdef != graphdef:
         raise ValueError(
@@ -78,6 +78,22 @@ def call(invoke: Callable, args: list, kwargs: dict) -> tuple[Any, Any]:
             "nnx.Intermediate)(model, x)`, where `amp_call = jamp.autocast(lambda m, x: m(x))`.")
     changed = [(path, v) for path, v in nnx.to_flat_state(new_state) if _written(jax.tree.flatten(v), before[path])]
     return out, nnx.from_flat_state(changed)
+
+
+def _hinted(invoke: Callable, args: list, kwargs: dict) -> Any:
+    """``invoke(args, kwargs)``; flax's TraceContextError from inside it (a write to an NNX object the function
+    closes over, which the trace cannot carry out) gets a note saying to pass the object as an argument."""
+    try:
+        return invoke(args, kwargs)
+    except Exception as error:
+        errors = sys.modules.get("flax.errors")
+        if errors is not None and isinstance(error, errors.TraceContextError):
+            error.add_note(
+                "jamp.autocast: the function wrote to an NNX object it closes over, which a traced call cannot "
+                "update (nnx.jit raises the same). Pass the module as an argument and jamp writes back what the "
+                "call changed: `amp_call = jamp.autocast(lambda m, x: m(x))`, then `amp_call(model, x)`; or "
+                "`jamp.autocast(model)(x)`.")
+        raise
 
 
 def _written(after: tuple[list, Any], before: tuple[list, Any]) -> bool:
