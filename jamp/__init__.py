@@ -14,6 +14,7 @@ from jamp.low_precision_params.kahan import kahan_summation
 from jamp.low_precision_params.stochastic import stochastic_rounding
 from jamp.scaling.checkpoint import load_state_dict, state_dict
 from jamp.scaling.helpers import found_inf, get_scale, scale, set_scale, value_and_grad
+from jamp.scaling.restore import from_restored
 from jamp.scaling.skip_warning import SkippedStepsWarning
 from jamp.scaling.state import DisabledScalerState, ScalerState
 from jamp.scaling.transform import scaler
@@ -35,6 +36,7 @@ __all__ = [
     "SkippedStepsWarning",
     "UnscaledGradientsWarning",
     "found_inf",
+    "from_restored",
     "get_scale",
     "load_state_dict",
     "scale",

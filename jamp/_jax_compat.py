@@ -15,6 +15,7 @@ from typing import Any
 import jax
 from jax._src import config as jax_config
 from jax._src import source_info_util
+from jax._src.interpreters import batching
 from jax._src.interpreters import partial_eval as pe
 from jax._src.util import weakref_lru_cache
 from jax.extend import core as jcore
@@ -133,6 +134,13 @@ def is_symbolic_zero(x) -> bool:
     from jax._src.ad_util import Zero
 
     return isinstance(x, Zero)
+
+
+def unbatched(x):
+    """The value under ``vmap``'s tracers: a vmapped step's gradients and scale are tracers of the jit around it."""
+    while isinstance(x, batching.BatchTracer):
+        x = x.val
+    return x
 
 
 def jaxpr_trace_of(x) -> Any | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import re
 
@@ -35,7 +36,7 @@ def grads_with(opt_state, poison=None, params=PARAMS):
 
 def test_public_names():
     for name in ("scaler", "ScalerState", "scale", "get_scale", "found_inf", "set_scale", "state_dict",
-                 "load_state_dict", "value_and_grad"):
+                 "load_state_dict", "value_and_grad", "from_restored"):
         assert name in jamp.__all__ and hasattr(jamp, name)
 
 
@@ -481,6 +482,50 @@ def test_orbax_restore_without_a_target_says_to_give_one(tmp_path):
         jamp.get_scale(untargeted)
     restored = ckpt.restore(tmp_path / "state", {"opt_state": jax.eval_shape(tx.init, PARAMS)})
     assert float(jamp.get_scale(restored)) == float(jamp.get_scale(state))
+
+
+def _as_saved_before_the_episode_fields(state: jamp.ScalerState):
+    """The state as a jamp without ScalerState.consecutive_skips/.warned saved it: a NamedTuple of the other fields."""
+    fields = [f for f in jamp.ScalerState._fields if f not in ("consecutive_skips", "warned")]
+    old = collections.namedtuple("ScalerState", fields)
+    return old(**{f: getattr(state, f) for f in fields})
+
+
+def test_a_checkpoint_saved_before_the_episode_fields_restores_with_from_restored(tmp_path):
+    tx, state = _trained_state()
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "old", {"params": PARAMS, "opt_state": _as_saved_before_the_episode_fields(state)})
+    ckpt.wait_until_finished()
+    target = {"params": PARAMS, "opt_state": jax.eval_shape(tx.init, PARAMS)}
+    with pytest.raises(ValueError, match="consecutive_skips"):  # orbax refuses the new structure as target
+        ckpt.restore(tmp_path / "old", target)
+    untargeted = ckpt.restore(tmp_path / "old")
+    with pytest.raises(ValueError, match=r"jamp\.from_restored\(target, restored\).*without "
+                                         r"ScalerState\.consecutive_skips"):
+        jamp.get_scale(untargeted["opt_state"])
+    restored = jamp.from_restored(target, untargeted)
+    fresh = tx.init(PARAMS)
+    assert isinstance(restored["opt_state"], jamp.ScalerState) and "from_restored" in jamp.__all__
+    chex.assert_trees_all_equal(restored["opt_state"], state._replace(consecutive_skips=fresh.consecutive_skips,
+                                                                      warned=fresh.warned))
+    chex.assert_trees_all_equal(restored["params"], PARAMS)
+    a = tx.update(grads_with(state, jnp.nan), state, PARAMS)
+    b = tx.update(grads_with(restored["opt_state"], jnp.nan), restored["opt_state"], PARAMS)
+    chex.assert_trees_all_equal(a[0], b[0])
+    chex.assert_trees_all_equal(a[1]._replace(consecutive_skips=0, warned=0),
+                                b[1]._replace(consecutive_skips=0, warned=0))
+
+
+def test_from_restored_names_what_does_not_fit(tmp_path):
+    tx, state = _trained_state()
+    target = {"opt_state": tx.init(PARAMS)}
+    untargeted = jax.tree.map(np.asarray, {"opt_state": state._asdict()})
+    chex.assert_trees_all_equal(jamp.from_restored(target, untargeted), {"opt_state": state})
+    del untargeted["opt_state"]["growth_tracker"]  # only the two episode fields may be missing
+    with pytest.raises(ValueError, match=r"nothing at \['opt_state'\]\.growth_tracker"):
+        jamp.from_restored(target, untargeted)
+    with pytest.raises(ValueError, match=r"at \['params'\]\['w'\] is float32\[3\], the target's is float32\[2, 3\]"):
+        jamp.from_restored({"params": PARAMS}, {"params": {"w": np.ones(3, np.float32), "b": np.ones(3, np.float32)}})
 
 
 def test_changing_hyperparameters_never_recompiles():

@@ -213,8 +213,14 @@ def test_unscaled_gradients_accumulated_in_a_scan_or_taken_in_a_nested_jit_warn(
         grads, _ = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), xs)
         return TX.update(grads, opt_state, params)
 
+    def ensemble(params, opt_state, x, y):  # tx.update under vmap: its arguments are vmap's tracers
+        return TX.update(jax.grad(amp_loss)(params, x, y), opt_state, params)
+
     assert len(_unscaled_warnings(nested, PARAMS, STATE, X, Y)) == 1
     assert len(_unscaled_warnings(accumulated, PARAMS, STATE, jnp.stack([X, X]), Y)) == 1
+    two = jax.tree.map(lambda a: jnp.stack([a, a]), PARAMS)
+    assert len(_unscaled_warnings(jax.vmap(ensemble, in_axes=(0, 0, None, None)), two, jax.vmap(TX.init)(two),
+                                  X, Y)) == 1
 
 
 def test_scaled_gradients_do_not_warn():
@@ -238,10 +244,44 @@ def test_scaled_gradients_do_not_warn():
     def computed_elsewhere(grads, opt_state, params):  # gradients are inputs of this trace: nothing is claimed
         return TX.update(jax.tree.map(lambda g: g * 1.0, grads), opt_state, params)
 
+    def ensemble(params, opt_state, x, y):
+        return TX.update(jax.grad(lambda p: jamp.scale(amp_loss(p, x, y), opt_state))(params), opt_state, params)
+
     for step in (scaled, value_and_grad, by_hand):
         assert _unscaled_warnings(step, PARAMS, STATE, X, Y) == []
+    two = jax.tree.map(lambda a: jnp.stack([a, a]), PARAMS)
+    assert _unscaled_warnings(jax.vmap(ensemble, in_axes=(0, 0, None, None)), two, jax.vmap(TX.init)(two), X, Y) == []
     assert _unscaled_warnings(accumulated, PARAMS, STATE, jnp.stack([X, X]), Y) == []
     assert _unscaled_warnings(computed_elsewhere, PARAMS, STATE, PARAMS) == []
+
+
+def test_correct_steps_whose_gradients_partly_ignore_the_scale_do_not_warn():
+    """A frozen part's gradients (stop_gradient, set_to_zero), a vjp given the scale as cotangent, a remat'd
+    loss, a custom_vjp layer: one gradient that depends on the scale is enough."""
+    @jax.custom_vjp
+    def clipped_grad(w):
+        return w
+
+    clipped_grad.defvjp(lambda w: (w, None), lambda _, g: (jnp.clip(g, -1, 1),))
+    frozen_w1 = lambda p, x, y: amp_loss({**p, "w1": jax.lax.stop_gradient(p["w1"])}, x, y)
+    custom = lambda p, x, y: amp_loss({**p, "w1": clipped_grad(p["w1"])}, x, y)
+    groups = jamp.scaler(optax.multi_transform({"train": optax.adam(1e-3), "freeze": optax.set_to_zero()},
+                                               {"w1": "freeze", "w2": "train"}))
+
+    def scaled_step(loss, tx=TX):
+        def step(params, opt_state, x, y):
+            grads = jax.grad(lambda p: jamp.scale(loss(p, x, y), opt_state))(params)
+            return tx.update(grads, opt_state, params)
+        return step
+
+    def vjp_of_the_scale(params, opt_state, x, y):
+        loss, pullback = jax.vjp(lambda p: amp_loss(p, x, y), params)
+        return TX.update(pullback(jamp.get_scale(opt_state).astype(loss.dtype))[0], opt_state, params)
+
+    for step, state in [(scaled_step(frozen_w1), STATE), (scaled_step(amp_loss, groups), groups.init(PARAMS)),
+                        (scaled_step(jax.checkpoint(amp_loss)), STATE), (scaled_step(custom), STATE),
+                        (vjp_of_the_scale, STATE)]:
+        assert _unscaled_warnings(step, PARAMS, state, X, Y) == []
 
 
 # ---------------------------------------------------------------- a scaler around nothing; swapped arguments

@@ -159,7 +159,10 @@ def find(opt_state: Any) -> ScalerState | DisabledScalerState:
             f"found no jamp.scaler state in opt_state, but a dict with jamp.ScalerState's fields at "
             f"{', '.join(restored)}: a checkpoint restored without a target gives dicts for NamedTuples. Restore "
             "with a target so the structure comes back, e.g. checkpointer.restore(path, {'opt_state': "
-            "tx.init(params), ...}) or, without allocating, jax.eval_shape(tx.init, params) as the target")
+            "tx.init(params), ...}) or, without allocating, jax.eval_shape(tx.init, params) as the target; or put "
+            "what was restored into that structure with jamp.from_restored(target, restored), which also takes a "
+            "checkpoint saved by a jamp without ScalerState.consecutive_skips and .warned (a target cannot "
+            "restore those)")
     what = "no jamp.scaler state" if not found else f"{len(found)} jamp.scaler states"
     raise ValueError(
         f"expected exactly one jamp.scaler state in opt_state, found {what}; pass the optimizer state "

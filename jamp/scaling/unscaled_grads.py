@@ -10,8 +10,9 @@ function that differentiated the loss, which is how a training step is written, 
 the gradients are recorded in that trace, and gradients of a scaled loss depend on the scale that
 ``tx.update`` reads. So jamp warns, while tracing (a compiled step runs nothing for it), when
 
-* a gradient was computed in the trace ``tx.update`` runs in, by a backward pass (an equation that
-  ``jax.grad``/``jax.vjp`` made by transposition, or such an equation inside a nested ``jit`` or a ``scan``), and
+* a gradient was computed in the trace ``tx.update`` runs in (seen through ``vmap``: an ensemble's step), by a
+  backward pass (an equation that ``jax.grad``/``jax.vjp`` made by transposition, or such an equation inside a
+  nested ``jit`` or a ``scan``), and
 * no gradient depends on the scale that ``tx.update`` reads, nor on anything that scale was computed from.
 
 Gradients computed by another jitted function, or eagerly, are inputs of the trace: nothing is claimed then,
@@ -57,10 +58,11 @@ def _sources(x: Any, most: int = 10_000) -> set[int] | None:
 def differentiated_without(grads: Any, scale: Any) -> bool:
     """True when ``grads`` were made by a backward pass in the trace ``scale`` belongs to and none of them depends
     on ``scale`` (or on what it was computed from). False whenever that cannot be known."""
+    scale = jc.unbatched(scale)
     trace = jc.jaxpr_trace_of(scale)
     if trace is None:
         return False
-    leaves = [g for g in jax.tree.leaves(grads) if jc.jaxpr_trace_of(g) is trace]
+    leaves = [g for g in map(jc.unbatched, jax.tree.leaves(grads)) if jc.jaxpr_trace_of(g) is trace]
     scale_sources = _sources(scale) if leaves else None
     if scale_sources is None:
         return False
