@@ -192,3 +192,11 @@ def test_nnx_optimizer_around_the_scaler_in_a_float16_train_step():
         assert int(model.drop.rngs.count[...]) == 3 and float(jnp.abs(model.bn.mean[...]).max()) > 0
     np.testing.assert_allclose(runs[True], runs[False], rtol=1e-2)
     assert runs[True][-1] < runs[True][0]
+
+
+def test_a_module_the_function_closes_over_gets_a_hint_to_pass_it_as_an_argument():
+    bn = nnx.BatchNorm(8, rngs=nnx.Rngs(0))
+    with pytest.raises(Exception, match="Cannot mutate") as caught:  # flax's TraceContextError, as under nnx.jit
+        jamp.autocast(lambda x: bn(x), device_type="gpu")(X)
+    assert any("Pass the module as an argument" in note for note in caught.value.__notes__)
+    np.testing.assert_array_equal(bn.mean[...], 0.0)  # and nothing half-written
