@@ -29,7 +29,6 @@ import jamp.nn as jamp_nn
 from jamp import _jax_compat as jc
 
 
-
 def _qkv(shape, seed=0):
     return tuple(jax.random.normal(k, shape) for k in jax.random.split(jax.random.key(seed), 3))
 
@@ -184,6 +183,21 @@ def test_equinox_multihead_attention_with_float32_params():
     amp = jamp.autocast(lambda mha, x: jamp.nn.equinox_multihead_attention(mha, x, x, x, mask), dtype="bf16")
     np.testing.assert_allclose(amp(mha, x), expected, atol=0.05)
     assert _attention_jits(jax.make_jaxpr(lambda x: amp(mha, x))(x)) == [["bfloat16"] * 3 + ["bool"]]
+
+
+@pytest.mark.parametrize("qk_size,vo_size", [(8, 24), (24, 8)])
+def test_equinox_query_key_and_value_heads_of_different_sizes(qk_size, vo_size):
+    """Equinox allows qk_size != vo_size (torch's SDPA too); jax.nn's attention takes one head size."""
+    mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=16, key_size=12, value_size=20, output_size=16,
+                                    qk_size=qk_size, vo_size=vo_size, key=jax.random.key(0))
+    q, k, v = (jax.random.normal(key, (n, d)) for key, n, d in zip(jax.random.split(jax.random.key(1), 3),
+                                                                   (8, 6, 6), (16, 12, 20)))
+    mask = jnp.ones((8, 6), bool).at[:, 4:].set(False)
+    expected = eqx.filter_jit(lambda mha: mha(q, k, v, mask))(mha)
+    fused = eqx.filter_jit(lambda mha: jamp.nn.equinox_multihead_attention(mha, q, k, v, mask))(mha)
+    np.testing.assert_allclose(fused, expected, atol=1e-5)
+    amp = jamp.autocast(lambda mha: jamp.nn.equinox_multihead_attention(mha, q, k, v, mask), dtype="bf16")
+    np.testing.assert_allclose(amp(mha), expected, atol=0.05)
 
 
 def test_equinox_dropout_on_the_weights_is_refused_outside_inference():
