@@ -36,6 +36,7 @@ def bilinear_float32_output(primitive: Any, params: dict, compute_dtype: Any) ->
         d_lhs, d_rhs = (t.astype(compute_dtype) for t in tangents)
         tangent = (primitive.bind(d_lhs, rhs, **low).astype(FLOAT32)
                    + primitive.bind(lhs, d_rhs, **low).astype(FLOAT32))
-        return matmul(lhs, rhs), tangent
+        # the primal as a plain matmul, not a nested custom_jvp call, so that remat policies see a dot
+        return primitive.bind(lhs, rhs, **exact), tangent
 
     return matmul
