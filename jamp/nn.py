@@ -190,9 +190,10 @@ def equinox_multihead_attention(attention: Any, query: jax.Array, key_: jax.Arra
     computed by :func:`dot_product_attention` (Equinox's module has no ``attention_fn`` to swap).
 
     Same arguments as the module's ``__call__``: unbatched ``[length, size]`` inputs, a boolean ``mask`` of
-    shape ``[q_length, kv_length]`` or ``[heads, q_length, kv_length]``. Dropout on the attention weights
-    (the module's ``dropout.p > 0`` outside inference) is refused with a ValueError: fused attention never
-    forms the weights.
+    shape ``[q_length, kv_length]`` or ``[heads, q_length, kv_length]``. Query/key and value heads of
+    different sizes (``qk_size != vo_size``) are zero-padded to one size for the kernel. Dropout on the
+    attention weights (the module's ``dropout.p > 0`` outside inference) is refused with a ValueError:
+    fused attention never forms the weights.
     """
     del key
     inference = attention.dropout.inference if inference is None else inference
@@ -206,8 +207,22 @@ def equinox_multihead_attention(attention: Any, query: jax.Array, key_: jax.Arra
         shapes = [h.shape for h in heads]
         heads = list(process_heads(*heads))
         _refuse([h.shape for h in heads] != shapes, "process_heads must not change the shape of the heads")
-    out = dot_product_attention(*heads, mask=None if mask is None else mask.astype(bool))
+    out = _attention_of_head_sizes(*heads, mask=None if mask is None else mask.astype(bool))
     return jax.vmap(attention.output_proj)(out.reshape(query.shape[0], -1))
+
+
+def _attention_of_head_sizes(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """:func:`dot_product_attention` where the value heads may be narrower or wider than the query and key
+    heads (Equinox's ``qk_size != vo_size``; jax.nn takes one head size): the narrower side is padded
+    with zeros, which changes neither the logits nor the attended values, and the logits keep the scale
+    of the query heads' size."""
+    qk_size, vo_size = query.shape[-1], value.shape[-1]
+    if qk_size == vo_size:
+        return dot_product_attention(query, key, value, mask=mask)
+    size = max(qk_size, vo_size)
+    query, key, value = (jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])]) for x in (query, key, value))
+    out = dot_product_attention(query, key, value, mask=mask, scale=1 / math.sqrt(qk_size))
+    return out[..., :vo_size]
 
 
 __all__ = ["cudnn_refusal", "dot_product_attention", "equinox_multihead_attention", "flax_dot_product_attention"]

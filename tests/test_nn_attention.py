@@ -29,7 +29,6 @@ import jamp.nn as jamp_nn
 from jamp import _jax_compat as jc
 
 
-
 def _qkv(shape, seed=0):
     return tuple(jax.random.normal(k, shape) for k in jax.random.split(jax.random.key(seed), 3))
 
@@ -88,6 +87,47 @@ def test_cpu_runs_xla_attention_with_low_precision_matmuls_and_float32_logits():
             for e in eqns(jax.make_jaxpr(amp)(q, k, v)) if e.primitive.name == "dot_general"]
     assert dots == [(("bfloat16", "bfloat16"), "float32"), (("bfloat16", "bfloat16"), "bfloat16")]
     assert _attention_jits(jax.make_jaxpr(amp)(q, k, v)) == [["bfloat16"] * 3]
+
+
+def test_backward_attention_matmuls_run_in_the_compute_dtype():
+    """The logits matmul returns float32 (jax.nn asks for it); its transposes multiply the logits'
+    gradient in bfloat16, not float32 x bfloat16 (which XLA runs as a float32 matmul)."""
+    q, k, v = _qkv((2, 8, 2, 16))
+    amp = jamp.autocast(lambda q, k, v: jnp.sum(jamp.nn.dot_product_attention(q, k, v) ** 2), dtype="bf16")
+    saving_dots = jamp.autocast(jax.checkpoint(lambda q, k, v: jnp.sum(jamp.nn.dot_product_attention(q, k, v) ** 2),
+                                               policy=jax.checkpoint_policies.dots_saveable), dtype="bf16")
+    for f in (amp, saving_dots):  # a remat policy that saves dots keeps the logits: computed once
+        dots = [(tuple(str(x.aval.dtype) for x in e.invars), str(e.outvars[0].aval.dtype))
+                for e in eqns(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)) if e.primitive.name == "dot_general"]
+        assert sorted(dots) == sorted([(("bfloat16", "bfloat16"), "float32")] + [(("bfloat16", "bfloat16"), "bfloat16")] * 5)
+    reference = jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+    forward_mode = jax.jacfwd(amp, argnums=(0, 1, 2))(q, k, v)  # forward-mode differentiation too
+    for g, f, r in zip(jax.grad(amp, argnums=(0, 1, 2))(q, k, v), forward_mode, reference):
+        np.testing.assert_allclose(g, r, atol=0.03 * float(jnp.abs(r).max()))
+        np.testing.assert_allclose(f, r, atol=0.03 * float(jnp.abs(r).max()))
+
+
+def _second_order(implementation):
+    """The gradient of a gradient norm (a gradient penalty) through the attention, under autocast."""
+    def loss(q, k, v):
+        return jnp.sum(jamp.nn.dot_product_attention(q, k, v, implementation=implementation) ** 2)
+
+    amp = jamp.autocast(loss, dtype="bf16")
+    return jax.grad(lambda q, k, v: jnp.sum(jax.grad(amp)(q, k, v) ** 2))
+
+
+def test_second_derivative_on_cpu_and_xla_on_a_cuda_host(request):
+    """A second derivative through the recorded call (XLA's implementation on a CPU); on a CUDA host
+    cuDNN's kernel, picked by default, has none, and implementation="xla" (as the docs say) gives one."""
+    q, k, v = _qkv((2, 8, 2, 16))
+    reference = jax.grad(lambda q: jnp.sum(jax.grad(
+        lambda q: jnp.sum(jax.nn.dot_product_attention(q, k, v) ** 2))(q) ** 2))(q)
+    np.testing.assert_allclose(_second_order(None)(q, k, v), reference, atol=0.03 * float(jnp.abs(reference).max()))
+    request.getfixturevalue("cuda_host")
+    q, k, v = _qkv((2, 8, 2, 56))  # shapes no other test traces attention with
+    with pytest.raises(NotImplementedError, match="dot_product_attention_fwd_wrapper"):
+        jax.make_jaxpr(_second_order(None))(q, k, v)
+    assert _cudnn_calls(_second_order("xla"), q, k, v) == {}
 
 
 def _spec(shape, dtype=jnp.bfloat16):
@@ -184,6 +224,21 @@ def test_equinox_multihead_attention_with_float32_params():
     amp = jamp.autocast(lambda mha, x: jamp.nn.equinox_multihead_attention(mha, x, x, x, mask), dtype="bf16")
     np.testing.assert_allclose(amp(mha, x), expected, atol=0.05)
     assert _attention_jits(jax.make_jaxpr(lambda x: amp(mha, x))(x)) == [["bfloat16"] * 3 + ["bool"]]
+
+
+@pytest.mark.parametrize("qk_size,vo_size", [(8, 24), (24, 8)])
+def test_equinox_query_key_and_value_heads_of_different_sizes(qk_size, vo_size):
+    """Equinox allows qk_size != vo_size (torch's SDPA too); jax.nn's attention takes one head size."""
+    mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=16, key_size=12, value_size=20, output_size=16,
+                                    qk_size=qk_size, vo_size=vo_size, key=jax.random.key(0))
+    q, k, v = (jax.random.normal(key, (n, d)) for key, n, d in zip(jax.random.split(jax.random.key(1), 3),
+                                                                   (8, 6, 6), (16, 12, 20)))
+    mask = jnp.ones((8, 6), bool).at[:, 4:].set(False)
+    expected = eqx.filter_jit(lambda mha: mha(q, k, v, mask))(mha)
+    fused = eqx.filter_jit(lambda mha: jamp.nn.equinox_multihead_attention(mha, q, k, v, mask))(mha)
+    np.testing.assert_allclose(fused, expected, atol=1e-5)
+    amp = jamp.autocast(lambda mha: jamp.nn.equinox_multihead_attention(mha, q, k, v, mask), dtype="bf16")
+    np.testing.assert_allclose(amp(mha), expected, atol=0.05)
 
 
 def test_equinox_dropout_on_the_weights_is_refused_outside_inference():

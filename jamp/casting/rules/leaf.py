@@ -9,6 +9,9 @@ from jamp._jax_compat import Literal
 from jamp.casting import fp8
 from jamp.casting.call import MATMUL_LIKE, Call, is_float
 from jamp.casting.dtypes import FLOAT32, is_eligible, is_low, widest
+from jamp.casting.float32_output import bilinear_float32_output
+
+BILINEAR = ("dot_general", "conv_general_dilated")  # two operands, the result linear in each
 
 
 def _set_preferred(call: Call, dtype) -> dict:
@@ -39,8 +42,12 @@ def lower_float32_output(call: Call):
     """``lower``, but a matmul returns its float32 accumulator instead of rounding it to the compute
     dtype: what ``jax.nn.dot_product_attention`` asks for its logits (``preferred_element_type=float32``
     on low-precision q and k), which a softmax then exponentiates, so their rounding error would not stay
-    small. Operands and backward matmuls stay in the compute dtype."""
-    return lower(call, FLOAT32)
+    small. Operands and backward matmuls stay in the compute dtype (:mod:`jamp.casting.float32_output`)."""
+    if call.eqn.primitive.name not in BILINEAR or not all(is_float(x) and is_eligible(x.dtype) for x in call.invals):
+        return lower(call, FLOAT32)
+    invals = [call.env.cast(x, call.ctx.compute_dtype) for x in call.invals]
+    call.bound = invals
+    return bilinear_float32_output(call.eqn.primitive, call.params, call.ctx.compute_dtype)(*invals)
 
 
 def lower_fp8(call: Call):
