@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+import variant_process
+from variant_process import ratio
 
 VARIANTS = ("fp32_xla", "jamp_xla", "jamp_cudnn", "hand_cudnn", "torch_sdpa")
 BASELINE = "jamp_xla"
@@ -142,27 +144,9 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_subprocess(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One variant in a fresh interpreter; a failure becomes ``{"variant", "error"}``, not an exception."""
-    command = [sys.executable, os.path.abspath(__file__), "--variant", variant, "--seq", str(args.seq),
-               "--batch", str(args.batch), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)] + ([] if args.causal else ["--no-causal"])
-    env = {**os.environ}
-    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return {"variant": variant, "error": f"timed out after {args.timeout} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
-        return {"variant": variant, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
-    return json.loads(lines[-1])
-
-
-def ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or not b else f"{a / b:.2f}x"
+    options = ["--seq", str(args.seq), "--batch", str(args.batch), "--heads", str(args.heads), "--head-dim",
+               str(args.head_dim), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    return variant_process.run(__file__, variant, options + ([] if args.causal else ["--no-causal"]), args.timeout)
 
 
 def print_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -42,7 +41,9 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 import optax
+import variant_process
 from gpt_model import Decoder
+from variant_process import ratio
 
 import jamp
 
@@ -166,26 +167,8 @@ def run_variant(variant: str, config_name: str, steps: int, warmup: int) -> dict
 
 
 def run_subprocess(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One variant in a fresh interpreter; a failure becomes ``{"variant", "error"}``, not an exception."""
-    command = [sys.executable, os.path.abspath(__file__), "--variant", variant, "--config", args.config,
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    env = {**os.environ}
-    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # peak_bytes_in_use counts what is used either way
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return {"variant": variant, "error": f"timed out after {args.timeout} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
-        return {"variant": variant, "error": f"exit {proc.returncode}: " + " | ".join(tail)}
-    return json.loads(lines[-1])
-
-
-def ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or not b else f"{a / b:.2f}x"
+    options = ["--config", args.config, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    return variant_process.run(__file__, variant, options, args.timeout)
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
