@@ -103,6 +103,20 @@ def test_silenced_by_the_keywords_and_then_absent_from_the_step():
     assert not jax.make_jaxpr(loud.update)(grads, loud.init(PARAMS), PARAMS).effects
 
 
+def test_an_error_filter_raises_inside_the_step_with_the_warning_text():
+    """What docs/gradient-scaling.md says of `-W error`: JAX raises its own runtime error holding the text,
+    and the state's consecutive_skips is what a loop can check instead."""
+    tx = jamp.scaler(optax.sgd(0.1), warn_after_skips=2, warn_below_scale=None)
+    step, state = train_step(tx), tx.init(PARAMS)
+    _, state = jax.block_until_ready(step(PARAMS, state, X_NAN, Y))
+    assert int(state.consecutive_skips) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jamp.SkippedStepsWarning)
+        with pytest.raises(Exception, match="2 updates in a row were skipped") as raised:
+            jax.block_until_ready(step(PARAMS, state, X_NAN, Y))
+    assert not isinstance(raised.value, jamp.SkippedStepsWarning)  # JAX's runtime error (a ValueError on 0.10)
+
+
 def test_silenced_by_a_warnings_filter():
     tx = jamp.scaler(optax.adam(1e-3), warn_after_skips=2)
     step, state = train_step(tx), tx.init(PARAMS)
