@@ -50,17 +50,23 @@ def jax_step(variant: str, args: argparse.Namespace) -> tuple[Callable, tuple]:
 
     width = args.heads * args.head_dim
     keys = jax.random.split(jax.random.key(0), 5)
-    params = {name: jax.random.normal(k, (width, width)) / width**0.5
-              for name, k in zip(("query", "key", "value", "out"), keys)}
+    params = {
+        name: jax.random.normal(k, (width, width)) / width**0.5
+        for name, k in zip(("query", "key", "value", "out"), keys)
+    }
     x = jax.random.normal(keys[4], (args.batch, args.seq, width))
 
-    attend = {"fp32_xla": jax.nn.dot_product_attention, "jamp_xla": jax.nn.dot_product_attention,
-              "jamp_cudnn": jamp.nn.dot_product_attention,
-              "hand_cudnn": jamp.nn.dot_product_attention}[variant]  # outside autocast: cuDNN for bf16 on CUDA
+    attend = {
+        "fp32_xla": jax.nn.dot_product_attention,
+        "jamp_xla": jax.nn.dot_product_attention,
+        "jamp_cudnn": jamp.nn.dot_product_attention,
+        "hand_cudnn": jamp.nn.dot_product_attention,
+    }[variant]  # outside autocast: cuDNN for bf16 on CUDA
 
     def loss(params, x):
         def heads(name):
             return (x @ params[name]).reshape(args.batch, args.seq, args.heads, args.head_dim)
+
         out = attend(heads("query"), heads("key"), heads("value"), is_causal=args.causal)
         y = out.reshape(args.batch, args.seq, width) @ params["out"]
         return jnp.mean(jnp.square(y.astype(jnp.float32)))
@@ -92,9 +98,15 @@ def run_jax(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     else:
         mem = compiled.memory_analysis()
         peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-    return {"variant": variant, "step_ms": statistics.median(times) * 1e3, "peak_bytes": peak,
-            "compile_s": compile_s, "cudnn_fmha": "__cudnn$fmha" in compiled.as_text(),
-            "device": f"{device.platform} ({device.device_kind})", "versions": f"jax {jax.__version__}"}
+    return {
+        "variant": variant,
+        "step_ms": statistics.median(times) * 1e3,
+        "peak_bytes": peak,
+        "compile_s": compile_s,
+        "cudnn_fmha": "__cudnn$fmha" in compiled.as_text(),
+        "device": f"{device.platform} ({device.device_kind})",
+        "versions": f"jax {jax.__version__}",
+    }
 
 
 def run_torch(args: argparse.Namespace) -> dict[str, Any]:
@@ -107,15 +119,18 @@ def run_torch(args: argparse.Namespace) -> dict[str, Any]:
         return {"variant": "torch_sdpa", "error": "torch sees no CUDA GPU"}
     width = args.heads * args.head_dim
     torch.manual_seed(0)
-    layers = torch.nn.ModuleDict({name: torch.nn.Linear(width, width, bias=False, device="cuda")
-                                  for name in ("query", "key", "value", "out")})
+    layers = torch.nn.ModuleDict(
+        {name: torch.nn.Linear(width, width, bias=False, device="cuda") for name in ("query", "key", "value", "out")}
+    )
     x = torch.randn(args.batch, args.seq, width, device="cuda")
 
     def step():
         layers.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            q, k, v = (layers[n](x).view(args.batch, args.seq, args.heads, args.head_dim).transpose(1, 2)
-                       for n in ("query", "key", "value"))
+            q, k, v = (
+                layers[n](x).view(args.batch, args.seq, args.heads, args.head_dim).transpose(1, 2)
+                for n in ("query", "key", "value")
+            )
             out = F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
             y = layers["out"](out.transpose(1, 2).reshape(args.batch, args.seq, width))
             loss = y.float().square().mean()
@@ -131,9 +146,15 @@ def run_torch(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    return {"variant": "torch_sdpa", "step_ms": statistics.median(times) * 1e3,
-            "peak_bytes": torch.cuda.max_memory_allocated(), "compile_s": None, "cudnn_fmha": None,
-            "device": f"cuda ({torch.cuda.get_device_name()})", "versions": f"torch {torch.__version__}"}
+    return {
+        "variant": "torch_sdpa",
+        "step_ms": statistics.median(times) * 1e3,
+        "peak_bytes": torch.cuda.max_memory_allocated(),
+        "compile_s": None,
+        "cudnn_fmha": None,
+        "device": f"cuda ({torch.cuda.get_device_name()})",
+        "versions": f"torch {torch.__version__}",
+    }
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -144,15 +165,29 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_subprocess(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    options = ["--seq", str(args.seq), "--batch", str(args.batch), "--heads", str(args.heads), "--head-dim",
-               str(args.head_dim), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    options = [
+        "--seq",
+        str(args.seq),
+        "--batch",
+        str(args.batch),
+        "--heads",
+        str(args.heads),
+        "--head-dim",
+        str(args.head_dim),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+    ]
     return variant_process.run(__file__, variant, options + ([] if args.causal else ["--no-causal"]), args.timeout)
 
 
 def print_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    print(f"attention layer: batch {args.batch}, seq {args.seq}, {args.heads} heads x {args.head_dim}, "
-          f"{'causal' if args.causal else 'not causal'}; float32 parameters; forward + backward, "
-          f"median of {args.steps} steps")
+    print(
+        f"attention layer: batch {args.batch}, seq {args.seq}, {args.heads} heads x {args.head_dim}, "
+        f"{'causal' if args.causal else 'not causal'}; float32 parameters; forward + backward, "
+        f"median of {args.steps} steps"
+    )
     base = next((r for r in results if r["variant"] == BASELINE and "error" not in r), {})
     print(f"| variant | device | step ms | vs {BASELINE} | peak MiB | peak vs {BASELINE} | cuDNN fmha | compile s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -162,15 +197,18 @@ def print_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None
             continue
         fmha = "-" if r["cudnn_fmha"] is None else "yes" if r["cudnn_fmha"] else "no"
         compile_s = "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
-        print(f"| {r['variant']} | {r['device']}, {r['versions']} | {r['step_ms']:.2f} "
-              f"| {ratio(r['step_ms'], base.get('step_ms'))} | {r['peak_bytes'] / MIB:,.0f} "
-              f"| {ratio(r['peak_bytes'], base.get('peak_bytes'))} | {fmha} | {compile_s} |")
+        print(
+            f"| {r['variant']} | {r['device']}, {r['versions']} | {r['step_ms']:.2f} "
+            f"| {ratio(r['step_ms'], base.get('step_ms'))} | {r['peak_bytes'] / MIB:,.0f} "
+            f"| {ratio(r['peak_bytes'], base.get('peak_bytes'))} | {fmha} | {compile_s} |"
+        )
 
 
 def default_seq() -> int:
     """8192 on a GPU, 512 elsewhere; asked in a throwaway process so this one holds no GPU memory."""
-    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
-                           capture_output=True, text=True, check=False)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import jax; print(jax.default_backend())"], capture_output=True, text=True, check=False
+    )
     return 8192 if probe.stdout.strip() == "gpu" else 512
 
 

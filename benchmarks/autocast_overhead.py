@@ -177,8 +177,12 @@ def hlo_counts(text: str) -> dict:
     dots by result type in the optimized HLO text."""
     dot_types = collections.Counter(re.findall(r"= (\w+)\[[^\]]*\]\S* dot\(", text))
     low = sum(n for t, n in dot_types.items() if t in ("bf16", "f16"))
-    return {"hlo_converts": text.count(" convert("), "hlo_reduce_precision": text.count(" reduce-precision("),
-            "hlo_dots_low": low, "hlo_dots_f32": dot_types["f32"]}
+    return {
+        "hlo_converts": text.count(" convert("),
+        "hlo_reduce_precision": text.count(" reduce-precision("),
+        "hlo_dots_low": low,
+        "hlo_dots_f32": dot_types["f32"],
+    }
 
 
 def nbytes(variables: set) -> int:
@@ -243,8 +247,12 @@ def build(v: Variant, args: tuple) -> tuple[Any, dict, dict]:
     compiled = lowered.compile()
     out = {"compile": time.perf_counter() - start, **counts, **saved_residuals(v.forward(), args)}
     mem = compiled.memory_analysis()
-    out.update(temp=mem.temp_size_in_bytes / MIB, argument=mem.argument_size_in_bytes / MIB,
-               output=mem.output_size_in_bytes / MIB, **hlo_counts(compiled.as_text()))
+    out.update(
+        temp=mem.temp_size_in_bytes / MIB,
+        argument=mem.argument_size_in_bytes / MIB,
+        output=mem.output_size_in_bytes / MIB,
+        **hlo_counts(compiled.as_text()),
+    )
     return compiled, out, sites
 
 
@@ -315,11 +323,16 @@ def print_sites(sites: dict[str, dict]) -> None:
     the hand-cast model's (jaxpr, forward + backward, summed over layers)."""
     for name in LOW_VARIANTS:
         dots = sites[name]["f32 dots"]
-        print(f"  {name}: float32/mixed dot_general sites: "
-              f"{', '.join(f'{s} x{n}' for s, n in sorted(dots.items())) or 'none'}")
+        print(
+            f"  {name}: float32/mixed dot_general sites: "
+            f"{', '.join(f'{s} x{n}' for s, n in sorted(dots.items())) or 'none'}"
+        )
     converts = {name: sites[name]["converts"] for name in LOW_VARIANTS}
-    differing = sorted(m for m in set().union(*converts.values())
-                       if any(converts[f"hand {dt}"][m] != converts[f"autocast {dt}"][m] for dt in ("bf16", "f16")))
+    differing = sorted(
+        m
+        for m in set().union(*converts.values())
+        if any(converts[f"hand {dt}"][m] != converts[f"autocast {dt}"][m] for dt in ("bf16", "f16"))
+    )
     print("  convert_element_type by module where autocast and hand-cast differ:")
     print(f"    {'module':46s}" + "".join(f"{name:>15s}" for name in LOW_VARIANTS))
     for module in differing:
@@ -351,19 +364,25 @@ def main() -> None:
     compiled: dict[str, Any] = {}
     for v in variants:
         compiled[v.name], results[v.name], sites[v.name] = build(v, inputs)
-    for timing in (interleaved({v.name: trace_probes(v, inputs) for v in variants}, args.repeats),
-                   interleaved(step_probes(compiled, inputs), steps)):
+    for timing in (
+        interleaved({v.name: trace_probes(v, inputs) for v in variants}, args.repeats),
+        interleaved(step_probes(compiled, inputs), steps),
+    ):
         for name, figures in timing.items():
             results[name].update(figures)
 
     device = jax.devices()[0]
     n_params = sum(x.size for x in jax.tree.leaves(inputs[0]))
-    print(f"device: {device.platform} ({device.device_kind}), jax {jax.__version__}; model: {config.layers} layers, "
-          f"d_model {config.d_model}, {config.heads} heads, mlp {config.d_mlp}, vocab {config.vocab}, "
-          f"{'tied' if config.tied else 'untied'} lm_head, {n_params / 1e6:.2f}M params; "
-          f"batch {config.batch} x seq {config.seq}")
-    print(f"step = value_and_grad(loss); trace and lower times: median of {args.repeats} interleaved rounds; "
-          f"compile: once; runtime: median of {steps} interleaved steps after a warm-up call")
+    print(
+        f"device: {device.platform} ({device.device_kind}), jax {jax.__version__}; model: {config.layers} layers, "
+        f"d_model {config.d_model}, {config.heads} heads, mlp {config.d_mlp}, vocab {config.vocab}, "
+        f"{'tied' if config.tied else 'untied'} lm_head, {n_params / 1e6:.2f}M params; "
+        f"batch {config.batch} x seq {config.seq}"
+    )
+    print(
+        f"step = value_and_grad(loss); trace and lower times: median of {args.repeats} interleaved rounds; "
+        f"compile: once; runtime: median of {steps} interleaved steps after a warm-up call"
+    )
     print()
     print_table(results)
     print()
@@ -371,10 +390,12 @@ def main() -> None:
     print_sites(sites)
     print()
     if device.platform == "cpu":
-        print("note: on CPU, bfloat16/float16 compute is emulated (XLA:CPU runs low-precision dots in float32 and\n"
-              "inserts its own converts around them, counted in the HLO row), so runtime ratios say nothing about\n"
-              "GPU speed; compiled memory and op counts are the meaningful CPU figures, and 'saved for backward'\n"
-              "is the same on every backend.")
+        print(
+            "note: on CPU, bfloat16/float16 compute is emulated (XLA:CPU runs low-precision dots in float32 and\n"
+            "inserts its own converts around them, counted in the HLO row), so runtime ratios say nothing about\n"
+            "GPU speed; compiled memory and op counts are the meaningful CPU figures, and 'saved for backward'\n"
+            "is the same on every backend."
+        )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,12 @@ def profile(run: Callable[[], None], steps: int = 10) -> KernelProfile | None:
                 span[1] = max(span[1], event.start_ns + event.duration_ns)
     by_op = {op: (len(us) / steps, sum(us) / steps) for op, us in per_op.items()}
     span_ms = statistics.median((end - start) / 1e6 for start, end in spans.values()) if spans else float("nan")
-    return KernelProfile(launches=sum(c for c, _ in by_op.values()),
-                         device_ms=sum(us for _, us in by_op.values()) / 1e3, span_ms=span_ms, by_op=by_op)
+    return KernelProfile(
+        launches=sum(c for c, _ in by_op.values()),
+        device_ms=sum(us for _, us in by_op.values()) / 1e3,
+        span_ms=span_ms,
+        by_op=by_op,
+    )
 
 
 def median_ms(times_s: list[float]) -> float:

@@ -50,9 +50,11 @@ def measure(name: str, make: Callable[[], Callable], args: tuple, rounds: int) -
         repeat_check.append(seconds(check, *args))
         repeat_passes.append(seconds(amp, *args) + seconds(ref, *args))
     repeat = (statistics.median(repeat_check), statistics.median(repeat_passes))
-    print(f"{name:14s} first call {first[0]:7.2f} s vs {first[1]:6.2f} s ({first[0] / first[1]:5.2f}x)   "
-          f"repeat call {repeat[0] * 1e3:7.2f} ms vs {repeat[1] * 1e3:6.2f} ms ({repeat[0] / repeat[1]:5.2f}x)   "
-          f"finding: {finding.kind + ' in ' + finding.primitive if finding else None}")
+    print(
+        f"{name:14s} first call {first[0]:7.2f} s vs {first[1]:6.2f} s ({first[0] / first[1]:5.2f}x)   "
+        f"repeat call {repeat[0] * 1e3:7.2f} ms vs {repeat[1] * 1e3:6.2f} ms ({repeat[0] / repeat[1]:5.2f}x)   "
+        f"finding: {finding.kind + ' in ' + finding.primitive if finding else None}"
+    )
 
 
 def main() -> None:
@@ -65,11 +67,14 @@ def main() -> None:
     model = Decoder(config)
     tokens = jax.random.randint(jax.random.key(0), (config.batch, config.seq), 0, config.vocab)
     params = jax.jit(model.init)(jax.random.key(1), tokens)
-    print(f"decoder, {config.layers} layers, d_model {config.d_model}, batch {config.batch} x {config.seq}, "
-          f"jax {jax.__version__} on {jax.default_backend()}; find_overflow vs jit(autocast(f)) + jit(f)")
+    print(
+        f"decoder, {config.layers} layers, d_model {config.d_model}, batch {config.batch} x {config.seq}, "
+        f"jax {jax.__version__} on {jax.default_backend()}; find_overflow vs jit(autocast(f)) + jit(f)"
+    )
     measure("forward", lambda: make_loss(model, "loss"), (params, tokens, tokens), args.rounds)
-    measure("training step", lambda: jax.value_and_grad(make_loss(model, "step")), (params, tokens, tokens),
-            args.rounds)
+    measure(
+        "training step", lambda: jax.value_and_grad(make_loss(model, "step")), (params, tokens, tokens), args.rounds
+    )
 
 
 if __name__ == "__main__":

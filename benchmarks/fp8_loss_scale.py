@@ -81,8 +81,14 @@ def train(name: str, amp: dict | None, scaler: dict | None, batches: np.ndarray,
             skipped += int(jamp.found_inf(opt_state))
             scales.append(float(jamp.get_scale(opt_state)))
     held = float(np.mean([evaluate(params, b[:, :-1], b[:, 1:]) for b in held_out]))
-    return {"name": name, "losses": np.array(losses), "held_out": held, "skipped": skipped,
-            "scale": scales[-1] if scales else None, "seconds": time.perf_counter() - start}
+    return {
+        "name": name,
+        "losses": np.array(losses),
+        "held_out": held,
+        "skipped": skipped,
+        "scale": scales[-1] if scales else None,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def main() -> None:
@@ -92,25 +98,33 @@ def main() -> None:
     train_text, held_text = load_text()
     batches, held_out = windows(train_text, args.steps, seed=1), windows(held_text, 8, seed=2)
     fp8 = dict(policy="fp8")
-    runs = [train("float32", None, None, batches, held_out),
-            train("bf16", dict(device_type="gpu", dtype=jnp.bfloat16), None, batches, held_out),
-            train("fp8", fp8, None, batches, held_out),
-            train("fp8 + scaler", fp8, dict(growth_interval=100), batches, held_out),
-            train("fp8 + scaler at 1", fp8, dict(init_scale=1.0, max_scale=1.0), batches, held_out)]
+    runs = [
+        train("float32", None, None, batches, held_out),
+        train("bf16", dict(device_type="gpu", dtype=jnp.bfloat16), None, batches, held_out),
+        train("fp8", fp8, None, batches, held_out),
+        train("fp8 + scaler", fp8, dict(growth_interval=100), batches, held_out),
+        train("fp8 + scaler at 1", fp8, dict(init_scale=1.0, max_scale=1.0), batches, held_out),
+    ]
     plain, scaled = runs[2]["losses"], runs[3]["losses"]
     device = jax.devices()[0]
-    print(f"device: {device.platform} ({device.device_kind}), jax {jax.__version__}; {args.steps} steps of "
-          f"{CONFIG.batch}x{CONFIG.seq} bytes, {CONFIG.layers} layers, d_model {CONFIG.d_model}, AdamW 1e-3")
+    print(
+        f"device: {device.platform} ({device.device_kind}), jax {jax.__version__}; {args.steps} steps of "
+        f"{CONFIG.batch}x{CONFIG.seq} bytes, {CONFIG.layers} layers, d_model {CONFIG.d_model}, AdamW 1e-3"
+    )
     print()
-    print("| run | train loss (last 50 steps) | held-out loss | skipped steps | final scale | "
-          "first step differing from fp8 | largest difference from fp8 | from fp8 + scaler |")
+    print(
+        "| run | train loss (last 50 steps) | held-out loss | skipped steps | final scale | "
+        "first step differing from fp8 | largest difference from fp8 | from fp8 + scaler |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in runs:
         diff = np.abs(r["losses"] - plain)
         first = str(int(np.argmax(diff > 0))) if diff.any() else "none"
         scale = "-" if r["scale"] is None else f"{r['scale']:g}"
-        print(f"| {r['name']} | {r['losses'][-50:].mean():.4f} | {r['held_out']:.4f} | {r['skipped']} | {scale} "
-              f"| {first} | {diff.max():.2e} | {np.abs(r['losses'] - scaled).max():.2e} |")
+        print(
+            f"| {r['name']} | {r['losses'][-50:].mean():.4f} | {r['held_out']:.4f} | {r['skipped']} | {scale} "
+            f"| {first} | {diff.max():.2e} | {np.abs(r['losses'] - scaled).max():.2e} |"
+        )
 
 
 if __name__ == "__main__":

@@ -42,10 +42,15 @@ def make_tree(leaves: int, nbytes: int, dtype) -> list[jax.Array]:
 def variants(on_gpu: bool) -> dict:
     """name -> (jitted fn(tree, inv), bytes moved per byte of the tree)."""
     out = {"copy tree_map(x*c)": (jax.jit(lambda g, c: jax.tree.map(lambda x: x * c.astype(x.dtype), g)), 2)}
-    for backend in (["xla", "pallas"] if on_gpu else ["xla"]):
+    for backend in ["xla", "pallas"] if on_gpu else ["xla"]:
         out[f"unscale_and_check[{backend}]"] = (
-            jax.jit(lambda g, c, b=backend: jamp_kernels.unscale_and_check(g, c, backend=b)), 2)
-        out[f"has_nonfinite[{backend}]"] = (jax.jit(lambda g, c, b=backend: jamp_kernels.has_nonfinite(g, backend=b)), 1)
+            jax.jit(lambda g, c, b=backend: jamp_kernels.unscale_and_check(g, c, backend=b)),
+            2,
+        )
+        out[f"has_nonfinite[{backend}]"] = (
+            jax.jit(lambda g, c, b=backend: jamp_kernels.has_nonfinite(g, backend=b)),
+            1,
+        )
     return out
 
 
@@ -91,7 +96,9 @@ def sweep(calls: int) -> None:
     del big
     tree = make_tree(50, 4 << 20, jnp.float32)
     size = sum(g.nbytes for g in tree)
-    print(f"reference: 1 GiB copy {reference:.0f} GB/s\n| block bytes | warps | unscale GB/s | vs copy | check GB/s | vs copy |")
+    print(
+        f"reference: 1 GiB copy {reference:.0f} GB/s\n| block bytes | warps | unscale GB/s | vs copy | check GB/s | vs copy |"
+    )
     print("|---|---|---|---|---|---|")
     for block in (16 << 10, 32 << 10, 64 << 10, 128 << 10):
         for warps in (4, 8, 16):
@@ -100,7 +107,9 @@ def sweep(calls: int) -> None:
             check = jax.jit(lambda g, c: jamp_kernels.has_nonfinite(g, backend="pallas"))
             u = 2 * size / seconds_per_call(unscale, tree, inv, calls, 1) / 1e9
             c = size / seconds_per_call(check, tree, inv, calls, 1) / 1e9
-            print(f"| {block} | {warps} | {u:.0f} | {u / reference:.2f}x | {c:.0f} | {c / reference:.2f}x |", flush=True)
+            print(
+                f"| {block} | {warps} | {u:.0f} | {u / reference:.2f}x | {c:.0f} | {c / reference:.2f}x |", flush=True
+            )
 
 
 def main() -> None:
@@ -110,8 +119,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="CPU: timed rounds (median)")
     args = parser.parse_args()
     device = jax.devices()[0]
-    print(f"device: {device.platform} ({device.device_kind}), jax {jax.__version__}, "
-          f"Pallas block {pallas_triton.BLOCK_BYTES} bytes, {pallas_triton.NUM_WARPS} warps")
+    print(
+        f"device: {device.platform} ({device.device_kind}), jax {jax.__version__}, "
+        f"Pallas block {pallas_triton.BLOCK_BYTES} bytes, {pallas_triton.NUM_WARPS} warps"
+    )
     if args.sweep:
         sweep(args.calls)
     else:

@@ -35,10 +35,14 @@ VARIANTS = {  # name -> (parameter dtype, optimizer)
     "bfloat16 Adam, round to nearest": (jnp.bfloat16, lambda adam: adam),
     "bfloat16 + kahan_summation": (jnp.bfloat16, jamp.kahan_summation),
     "bfloat16 + kahan_summation, state_dtype=float32": (
-        jnp.bfloat16, lambda adam: jamp.kahan_summation(adam, state_dtype=F32)),
+        jnp.bfloat16,
+        lambda adam: jamp.kahan_summation(adam, state_dtype=F32),
+    ),
     "bfloat16 + stochastic_rounding": (jnp.bfloat16, jamp.stochastic_rounding),
     "bfloat16 + stochastic_rounding, state_dtype=float32": (
-        jnp.bfloat16, lambda adam: jamp.stochastic_rounding(adam, state_dtype=F32)),
+        jnp.bfloat16,
+        lambda adam: jamp.stochastic_rounding(adam, state_dtype=F32),
+    ),
 }
 
 
@@ -65,7 +69,9 @@ def main() -> None:
     n_params = n_leaves * rows * 1000
     key = jax.random.key(0)
     master = [jax.random.normal(k, (rows, 1000)) for k in jax.random.split(key, n_leaves)]
-    grads32 = [1e-3 * jax.random.normal(k, (rows, 1000)) for k in jax.random.split(jax.random.fold_in(key, 1), n_leaves)]
+    grads32 = [
+        1e-3 * jax.random.normal(k, (rows, 1000)) for k in jax.random.split(jax.random.fold_in(key, 1), n_leaves)
+    ]
     adam = optax.adam(1e-3)
 
     runs, memory = {}, {}
@@ -86,8 +92,10 @@ def main() -> None:
             times[name].append(timed(run, run[3]) * 1e3)
     med = {name: statistics.median(t) for name, t in times.items()}
     floor = med["float32 Adam (AMP's masters)"]
-    print(f"{n_params / 1e6:.0f}M parameters in {n_leaves} leaves, Adam, jit + donation, median of "
-          f"{args.rounds} interleaved steps, {jax.devices()[0].device_kind}")
+    print(
+        f"{n_params / 1e6:.0f}M parameters in {n_leaves} leaves, Adam, jit + donation, median of "
+        f"{args.rounds} interleaved steps, {jax.devices()[0].device_kind}"
+    )
     print("| variant | step ms | / float32 | argument bytes per parameter | temporary bytes per parameter |")
     print("|---|---|---|---|---|")
     for name, ms in med.items():

@@ -61,8 +61,12 @@ def plain_conversions() -> Iterator[None]:
 
 def hlo_counts(text: str) -> dict[str, float]:
     instructions = re.findall(r"^\s*(?:ROOT )?%\S+ = \S+ ([\w-]+)\(", text, re.MULTILINE)
-    return {"reduce_precision": instructions.count("reduce-precision"), "convert": instructions.count("convert"),
-            "instructions": len(instructions), "fusions": instructions.count("fusion")}
+    return {
+        "reduce_precision": instructions.count("reduce-precision"),
+        "convert": instructions.count("convert"),
+        "instructions": len(instructions),
+        "fusions": instructions.count("fusion"),
+    }
 
 
 def build(loss, amp: dict, args: tuple, plain: bool) -> tuple[Any, dict[str, float]]:
@@ -72,9 +76,13 @@ def build(loss, amp: dict, args: tuple, plain: bool) -> tuple[Any, dict[str, flo
     start = time.perf_counter()
     compiled = lowered.compile()
     mem = compiled.memory_analysis()
-    return compiled, {"compile": time.perf_counter() - start, **hlo_counts(compiled.as_text()),
-                      "temp": mem.temp_size_in_bytes / MIB, "argument": mem.argument_size_in_bytes / MIB,
-                      "output": mem.output_size_in_bytes / MIB}
+    return compiled, {
+        "compile": time.perf_counter() - start,
+        **hlo_counts(compiled.as_text()),
+        "temp": mem.temp_size_in_bytes / MIB,
+        "argument": mem.argument_size_in_bytes / MIB,
+        "output": mem.output_size_in_bytes / MIB,
+    }
 
 
 ROWS = [  # key, label, scale, format
@@ -126,9 +134,11 @@ def main() -> None:
         results[variant].update(figures)
 
     device = jax.devices()[0]
-    print(f"device: {device.platform} ({device.device_kind}), jax {jax.__version__}; model: {config.layers} layers, "
-          f"d_model {config.d_model}, batch {config.batch} x seq {config.seq}; step = value_and_grad(autocast(loss)); "
-          f"runtime: median of {max(args.steps, 3)} interleaved steps after a warm-up call")
+    print(
+        f"device: {device.platform} ({device.device_kind}), jax {jax.__version__}; model: {config.layers} layers, "
+        f"d_model {config.d_model}, batch {config.batch} x seq {config.seq}; step = value_and_grad(autocast(loss)); "
+        f"runtime: median of {max(args.steps, 3)} interleaved steps after a warm-up call"
+    )
     print()
     print_table(results)
 

@@ -57,8 +57,8 @@ import optax
 from device_profile import profile
 
 import jamp
-from jamp.scaling import skip
 import jamp_kernels
+from jamp.scaling import skip
 from jamp_kernels import dispatch, xla
 
 SCALE = 1024.0
@@ -66,14 +66,19 @@ SCALE = 1024.0
 
 def gpt2_small(vocab: int = 50257, layers: int = 12, d: int = 768) -> dict:
     """GPT-2 small's parameter shapes under the Hugging Face names (flax layout)."""
+
     def dense(n_in, n_out):
         return {"kernel": (n_in, n_out), "bias": (n_out,)}
 
     def norm():
         return {"scale": (d,), "bias": (d,)}
 
-    block = {"ln_1": norm(), "attn": {"c_attn": dense(d, 3 * d), "c_proj": dense(d, d)},
-             "ln_2": norm(), "mlp": {"c_fc": dense(d, 4 * d), "c_proj": dense(4 * d, d)}}
+    block = {
+        "ln_1": norm(),
+        "attn": {"c_attn": dense(d, 3 * d), "c_proj": dense(d, d)},
+        "ln_2": norm(),
+        "mlp": {"c_fc": dense(d, 4 * d), "c_proj": dense(4 * d, d)},
+    }
     return {"wte": (vocab, d), "wpe": (1024, d), "h": {str(i): block for i in range(layers)}, "ln_f": norm()}
 
 
@@ -83,19 +88,24 @@ class Tree(NamedTuple):
     not_run: tuple[str, ...] = ()  # variants left out, with NOT_RUN as the reason
 
 
-NOT_RUN = ("XLA:CPU (jax 0.10.2) compiles a select between old and new state over 1006 leaves for more than "
-           "10 minutes and past 15 GB of memory")
+NOT_RUN = (
+    "XLA:CPU (jax 0.10.2) compiles a select between old and new state over 1006 leaves for more than "
+    "10 minutes and past 15 GB of memory"
+)
 
 
 TREES = {
-    "gpt2": Tree("GPT-2 small (124M params, 148 leaves)",
-                 lambda small: gpt2_small(vocab=5000, layers=2) if small else gpt2_small()),
+    "gpt2": Tree(
+        "GPT-2 small (124M params, 148 leaves)",
+        lambda small: gpt2_small(vocab=5000, layers=2) if small else gpt2_small(),
+    ),
     "matrices": Tree("50 x 1000x1000", lambda small: [(100 if small else 1000, 1000)] * 50),
     "vectors": Tree("50 x 1M (1-D)", lambda small: [(100_000 if small else 1_000_000,)] * 50),
-    "biases": Tree("1000 biases of 1000 + 6 matrices (26M)",
-                   lambda small: [(1000,)] * 1000 + [(512 if small else 2048, 2048)] * 4
-                   + [(1024 if small else 4096, 1024)] * 2,
-                   not_run=("jmp all_finite+select_tree", "flax DynamicScale where")),
+    "biases": Tree(
+        "1000 biases of 1000 + 6 matrices (26M)",
+        lambda small: [(1000,)] * 1000 + [(512 if small else 2048, 2048)] * 4 + [(1024 if small else 4096, 1024)] * 2,
+        not_run=("jmp all_finite+select_tree", "flax DynamicScale where"),
+    ),
 }
 
 
@@ -202,6 +212,7 @@ def flax_dynamic_scale(adam):
 def check_alone(adam):
     """The default finite check by itself: what a scaler whose check is a separate pass over the gradients
     pays on top of bare Adam at the least (the parameters pass through, donated, untouched)."""
+
     def step(params, found_inf, grads):
         return params, jamp_kernels.has_nonfinite(grads)
 
@@ -262,7 +273,7 @@ def timed(run: dict, buffers: dict, grads: dict, kind: str, caches: Caches) -> f
 
 
 def quartiles(xs: list[float]) -> tuple[float, float, float]:
-    q1, q2, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0],) * 3
+    q1, _, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0],) * 3
     return q1, statistics.median(xs), q3
 
 
@@ -272,8 +283,9 @@ def measure(tree: Tree, names: list[str], rounds: int, small: bool) -> dict:
     shapes = tree.shapes(small)
     finite = jax.tree.map(lambda g: g * SCALE, make(shapes, jax.random.fold_in(key, 1)))
     leaves, treedef = jax.tree.flatten(finite)
-    overflow = jax.tree.unflatten(treedef, [leaves[0].at[(3,) * leaves[0].ndim].set(jnp.inf),
-                                            *map(jnp.copy, leaves[1:])])  # own buffers: rewritten in place
+    overflow = jax.tree.unflatten(
+        treedef, [leaves[0].at[(3,) * leaves[0].ndim].set(jnp.inf), *map(jnp.copy, leaves[1:])]
+    )  # own buffers: rewritten in place
     grads = {"finite": finite, "overflow": overflow}
     adam = optax.adam(1e-3)
 
@@ -298,12 +310,19 @@ def measure(tree: Tree, names: list[str], rounds: int, small: bool) -> dict:
                 if kind in kinds[name]:
                     times[name][kind].append(timed(run, buffers, grads, kind, caches) * 1e3)
     floor = times["bare Adam"]
-    result = {name: {kind: (statistics.median(t), quartiles([a / b for a, b in zip(t, floor[f"step{cold(kind)}"])]))
-                     for kind, t in per_kind.items()} for name, per_kind in times.items()}
+    result = {
+        name: {
+            kind: (statistics.median(t), quartiles([a / b for a, b in zip(t, floor[f"step{cold(kind)}"])]))
+            for kind, t in per_kind.items()
+        }
+        for name, per_kind in times.items()
+    }
 
     n_params = sum(x.size for x in leaves)
-    print(f"\n{tree.title}{' (--small)' if small else ''}: {n_params / 1e6:.1f}M float32 params in {len(leaves)} "
-          f"leaves, Adam, jit + donation, {rounds} interleaved rounds, {jax.devices()[0].device_kind}")
+    print(
+        f"\n{tree.title}{' (--small)' if small else ''}: {n_params / 1e6:.1f}M float32 params in {len(leaves)} "
+        f"leaves, Adam, jit + donation, {rounds} interleaved rounds, {jax.devices()[0].device_kind}"
+    )
     print("Each ratio is to bare Adam's finite step under the same cache condition (see Caches).")
     print("| variant | " + " | ".join(f"{k} ms | / bare Adam (IQR)" for k in KINDS) + " |")
     print("|---" * (1 + 2 * len(KINDS)) + "|")
@@ -351,8 +370,10 @@ def device_view(runs: dict, buffers: dict, grads: dict, caches: Caches) -> None:
     print("| variant | kernels | device ms | / bare | span ms | / bare | costliest ops |")
     print("|---|---|---|---|---|---|---|")
     for name, p in profiles.items():
-        print(f"| {name} | {p.launches:g} | {p.device_ms:.3f} | {p.device_ms / base.device_ms:.2f} | "
-              f"{p.span_ms:.3f} | {p.span_ms / base.span_ms:.2f} | {p.top(6)} |")
+        print(
+            f"| {name} | {p.launches:g} | {p.device_ms:.3f} | {p.device_ms / base.device_ms:.2f} | "
+            f"{p.span_ms:.3f} | {p.span_ms / base.span_ms:.2f} | {p.top(6)} |"
+        )
 
 
 def main() -> None:
@@ -366,14 +387,20 @@ def main() -> None:
     trees = args.trees.split(",")
     if unknown := set(trees) - set(TREES):
         ap.error(f"--trees: unknown {sorted(unknown)}; choose from {', '.join(TREES)}")
-    names = list(VARIANTS) if args.variants is None else \
-        ["bare Adam", *[n for n in VARIANTS if n.strip() in {v.strip() for v in args.variants.split(",")}]]
+    names = (
+        list(VARIANTS)
+        if args.variants is None
+        else ["bare Adam", *[n for n in VARIANTS if n.strip() in {v.strip() for v in args.variants.split(",")}]]
+    )
     results = {key: measure(TREES[key], names, args.rounds, args.small) for key in trees}
 
     print("\nSummary (ratios to bare Adam's finite step, median of the rounds, interquartile range):")
-    print("| parameter tree | bare Adam ms | jamp.scaler(adam) ms | " + " | ".join(KINDS)
-          + " | 1 + the check alone (step) | bare Adam GB/s | the check alone GB/s | best peer (step) "
-          + "| with / without the skipped-steps warning (step) |")
+    print(
+        "| parameter tree | bare Adam ms | jamp.scaler(adam) ms | "
+        + " | ".join(KINDS)
+        + " | 1 + the check alone (step) | bare Adam GB/s | the check alone GB/s | best peer (step) "
+        + "| with / without the skipped-steps warning (step) |"
+    )
     print("|---" * (8 + len(KINDS)) + "|")
     for key, result in results.items():
         jamp_row, floor = result.get("jamp.scaler(adam)"), result["bare Adam"]["step"][0]
@@ -384,9 +411,14 @@ def main() -> None:
         rates = f"{rate(result, 'bare Adam', ADAM_BYTES)} | {rate(result, CHECK_ALONE, 4)}"
         if jamp_row:
             title = f"{TREES[key].title} ({result['size']})" if args.small else TREES[key].title
-            print(f"| {title} | {floor:.1f} | {jamp_row['step'][0]:.1f} | "
-                  + " | ".join(fmt(jamp_row[k][1]) for k in KINDS) + f" | {separate_check_floor} | {rates} | {best} | "
-                  + (fmt(result["warning_cost"]) if "warning_cost" in result else "-") + " |")
+            print(
+                f"| {title} | {floor:.1f} | {jamp_row['step'][0]:.1f} | "
+                + " | ".join(fmt(jamp_row[k][1]) for k in KINDS)
+                + f" | {separate_check_floor} | {rates} | {best} | "
+                + (fmt(result["warning_cost"]) if "warning_cost" in result else "-")
+                + " |"
+            )
+
 
 if __name__ == "__main__":
     main()

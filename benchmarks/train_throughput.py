@@ -91,8 +91,9 @@ def make_loss(model: Decoder) -> Callable:
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, scaled: bool) -> Callable:
     """``step(params, opt_state, tokens, targets) -> (params, opt_state, loss)``; ``scaled``: ``tx`` is a
     ``jamp.scaler`` and the loss is scaled by its state before differentiation."""
-    value_and_grad = jamp.value_and_grad(loss_fn) if scaled else (
-        lambda opt_state, *args: jax.value_and_grad(loss_fn)(*args))
+    value_and_grad = (
+        jamp.value_and_grad(loss_fn) if scaled else (lambda opt_state, *args: jax.value_and_grad(loss_fn)(*args))
+    )
 
     def step(params, opt_state, tokens, targets):
         loss, grads = value_and_grad(opt_state, params, tokens, targets)
@@ -102,8 +103,11 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, scaled:
     return step
 
 
-AUTOCAST = {"jamp_bf16": dict(device_type="gpu", dtype=jnp.bfloat16), "jamp_fp16_scaler": dict(device_type="gpu"),
-            "jamp_fp8": dict(policy="fp8")}
+AUTOCAST = {
+    "jamp_bf16": dict(device_type="gpu", dtype=jnp.bfloat16),
+    "jamp_fp16_scaler": dict(device_type="gpu"),
+    "jamp_fp8": dict(policy="fp8"),
+}
 
 
 def build_step(variant: str, config: Config):
@@ -147,19 +151,33 @@ def run_variant(variant: str, config_name: str, steps: int, warmup: int) -> dict
     if "peak_bytes_in_use" in stats:
         peak, source = stats["peak_bytes_in_use"], "device.memory_stats() peak_bytes_in_use"
     elif (mem := compiled.memory_analysis()) is not None:
-        peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-                - mem.alias_size_in_bytes)
+        peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
         source = "compiled memory_analysis(): arguments + outputs + temporaries - donated aliases"
     else:
         peak, source = None, "unavailable on this backend"
     return {
-        "variant": variant, "config": config_name, "params": n_params, "tokens_per_step": config.batch * config.seq,
-        "step_ms": step_s * 1e3, "tokens_per_s": config.batch * config.seq / step_s, "peak_bytes": peak,
-        "memory_source": source, "compile_s": compile_s, "hlo_converts": hlo.count(" convert("),
-        "final_loss": loss, "steps": steps, "warmup": warmup,
-        "device": f"{device.platform} ({device.device_kind})", "platform": device.platform,
-        "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
-                     "optax": optax.__version__, "python": platform.python_version()},
+        "variant": variant,
+        "config": config_name,
+        "params": n_params,
+        "tokens_per_step": config.batch * config.seq,
+        "step_ms": step_s * 1e3,
+        "tokens_per_s": config.batch * config.seq / step_s,
+        "peak_bytes": peak,
+        "memory_source": source,
+        "compile_s": compile_s,
+        "hlo_converts": hlo.count(" convert("),
+        "final_loss": loss,
+        "steps": steps,
+        "warmup": warmup,
+        "device": f"{device.platform} ({device.device_kind})",
+        "platform": device.platform,
+        "versions": {
+            "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__,
+            "flax": flax.__version__,
+            "optax": optax.__version__,
+            "python": platform.python_version(),
+        },
     }
 
 
@@ -179,24 +197,30 @@ def print_table(results: list[dict[str, Any]]) -> None:
         first = next(iter(ok.values()))
         config = CONFIGS[first["config"]]
         print(f"device: {first['device']}; " + ", ".join(f"{k} {v}" for k, v in first["versions"].items()))
-        print(f"config {first['config']}: {config.layers} layers, d_model {config.d_model}, {config.heads} heads, "
-              f"mlp {config.d_mlp}, vocab {config.vocab} (tied lm_head), {first['params'] / 1e6:.2f}M params, "
-              f"{config.batch}x{config.seq} tokens per step, AdamW; median of {first['steps']} steps after "
-              f"{first['warmup']} warm-up steps")
+        print(
+            f"config {first['config']}: {config.layers} layers, d_model {config.d_model}, {config.heads} heads, "
+            f"mlp {config.d_mlp}, vocab {config.vocab} (tied lm_head), {first['params'] / 1e6:.2f}M params, "
+            f"{config.batch}x{config.seq} tokens per step, AdamW; median of {first['steps']} steps after "
+            f"{first['warmup']} warm-up steps"
+        )
         print(f"peak memory: {first['memory_source']}")
         if first["platform"] == "cpu":
             print("CPU: bfloat16, float16 and float8 are emulated by XLA:CPU; the ratios say nothing about GPU speed")
         print()
         base, fp32 = ok.get(BASELINE, {}), ok.get("fp32", {})
-        print(f"| variant | tokens/s | vs {BASELINE} | vs fp32 | step ms | peak MiB | peak vs {BASELINE} | "
-              "compile s | HLO converts | loss |")
+        print(
+            f"| variant | tokens/s | vs {BASELINE} | vs fp32 | step ms | peak MiB | peak vs {BASELINE} | "
+            "compile s | HLO converts | loss |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in ok.values():
-            print(f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {ratio(r['tokens_per_s'], base.get('tokens_per_s'))} "
-                  f"| {ratio(r['tokens_per_s'], fp32.get('tokens_per_s'))} | {r['step_ms']:.1f} "
-                  f"| {'-' if r['peak_bytes'] is None else format(r['peak_bytes'] / MIB, ',.1f')} "
-                  f"| {ratio(r['peak_bytes'], base.get('peak_bytes'))} "
-                  f"| {r['compile_s']:.1f} | {r['hlo_converts']} | {r['final_loss']:.4f} |")
+            print(
+                f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {ratio(r['tokens_per_s'], base.get('tokens_per_s'))} "
+                f"| {ratio(r['tokens_per_s'], fp32.get('tokens_per_s'))} | {r['step_ms']:.1f} "
+                f"| {'-' if r['peak_bytes'] is None else format(r['peak_bytes'] / MIB, ',.1f')} "
+                f"| {ratio(r['peak_bytes'], base.get('peak_bytes'))} "
+                f"| {r['compile_s']:.1f} | {r['hlo_converts']} | {r['final_loss']:.4f} |"
+            )
         print_goals(ok, first["platform"])
     for r in results:
         if "error" in r:
@@ -218,8 +242,11 @@ def print_goals(ok: dict[str, dict[str, Any]], platform_name: str) -> None:
             lines.append(f"  {'met' if holds(value) else 'NOT met'}: {text} ({value:.2f}x)")
     if lines:
         print()
-        print("goals (GPU targets):" if platform_name == "gpu" else
-              f"goals (GPU targets; {platform_name} figures, for reference only):")
+        print(
+            "goals (GPU targets):"
+            if platform_name == "gpu"
+            else f"goals (GPU targets; {platform_name} figures, for reference only):"
+        )
         print("\n".join(lines))
 
 
@@ -227,8 +254,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", choices=VARIANTS, help="run this one variant here and print one JSON line")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
-    parser.add_argument("--config", choices=[*CONFIGS, "auto"], default="auto",
-                        help="auto: small on a CPU, gpt136m on a GPU")
+    parser.add_argument(
+        "--config", choices=[*CONFIGS, "auto"], default="auto", help="auto: small on a CPU, gpt136m on a GPU"
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per variant's process")
@@ -244,8 +272,9 @@ def parse_args() -> argparse.Namespace:
 def default_config() -> str:
     """small on a CPU, gpt136m on a GPU; asked in a throwaway process so that this one never initialises
     a backend (and holds no GPU memory beside the variants' processes)."""
-    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
-                           capture_output=True, text=True, check=False)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import jax; print(jax.default_backend())"], capture_output=True, text=True, check=False
+    )
     return "gpt136m" if probe.stdout.strip() == "gpu" else "small"
 
 

@@ -33,8 +33,7 @@ from jamp.casting.regions import EFFECTIVE_RULE
 from jamp.casting.rules import HIGHER_ORDER_RULES
 
 # The order in which categories are shown; every category in jamp.casting.oplists.CATEGORIES must appear.
-CATEGORY_ORDER = (oplists.LOWER, oplists.FLOAT32, oplists.LINALG, oplists.PROMOTE,
-                  oplists.PASSTHROUGH, oplists.DEFAULT)
+CATEGORY_ORDER = (oplists.LOWER, oplists.FLOAT32, oplists.LINALG, oplists.PROMOTE, oplists.PASSTHROUGH, oplists.DEFAULT)
 
 DEVICE_TITLES = {
     "gpu": 'GPU policy (`device_type="gpu"` or `"cuda"`)',
@@ -57,6 +56,7 @@ SPHINX_ROLE = re.compile(r":(?:func|mod|class|meth|attr|data|obj):(?=<code>)")
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
 
 def _cell(text: str) -> str:
     """Plain text safe inside a markdown table cell: no emphasis from ``x ** 2``, no HTML, no column breaks."""
@@ -99,11 +99,14 @@ def category_descriptions() -> dict[str, str]:
 
 def _check_categories() -> None:
     if set(CATEGORY_ORDER) != set(oplists.CATEGORIES):
-        raise RuntimeError(f"CATEGORY_ORDER {CATEGORY_ORDER} does not match jamp.casting.oplists.CATEGORIES "
-                           f"{oplists.CATEGORIES}: update docs/gen_op_reference.py")
+        raise RuntimeError(
+            f"CATEGORY_ORDER {CATEGORY_ORDER} does not match jamp.casting.oplists.CATEGORIES "
+            f"{oplists.CATEGORIES}: update docs/gen_op_reference.py"
+        )
 
 
 # -- per-device pages ------------------------------------------------------------------------------
+
 
 def policy_rows(device: str) -> dict[str, list[tuple[tuple[str, ...], oplists.OpRow]]]:
     """category -> [(primitives of one OP_TABLE row in that category, the row)] for ``device``'s
@@ -122,8 +125,10 @@ def policy_rows(device: str) -> dict[str, list[tuple[tuple[str, ...], oplists.Op
 
 def category_table(device: str, category: str) -> str:
     rows = policy_rows(device)[category]
-    return _table(("JAX primitives", "torch.amp ops it stands for", "why"),
-                  [(_code(prims), _cell(row.torch_ops), _cell(row.why)) for prims, row in rows])
+    return _table(
+        ("JAX primitives", "torch.amp ops it stands for", "why"),
+        [(_code(prims), _cell(row.torch_ops), _cell(row.why)) for prims, row in rows],
+    )
 
 
 def region_rules_table(device: str) -> str:
@@ -131,8 +136,15 @@ def region_rules_table(device: str) -> str:
     policy = jamp.get_policy(device)
     oplist = oplists.OPLIST_OF_DEVICE[device]
     jit_patterns = {p for p, _, _ in oplists.JIT_RULES[oplist]}
-    rows = [(f"`{r.pattern}`", "jit-wrapped function" if r.pattern in jit_patterns else "name scope / module path",
-             f"`{r.mode}`", _cell(r.why)) for r in policy.rules]
+    rows = [
+        (
+            f"`{r.pattern}`",
+            "jit-wrapped function" if r.pattern in jit_patterns else "name scope / module path",
+            f"`{r.mode}`",
+            _cell(r.why),
+        )
+        for r in policy.rules
+    ]
     if not rows:
         return "_No built-in region rules: every equation follows its primitive's category._"
     return _table(("pattern", "matches", "mode", "torch.amp op / why"), rows)
@@ -185,13 +197,14 @@ def pages() -> dict[str, str]:
 
 # -- tables embedded in hand-written pages ---------------------------------------------------------
 
+
 def comparison_table() -> str:
     """One row per OP_TABLE row: its category on each device's built-in policy."""
     policies = {d: jamp.get_policy(d) for d in oplists.DEVICE_TYPES}
     rows = []
     for row in oplists.OP_TABLE:
         cats = []
-        for d, p in policies.items():
+        for p in policies.values():
             found = sorted({p.category(prim) for prim in row.primitives}, key=CATEGORY_ORDER.index)
             cats.append(" / ".join(f"`{c}`" for c in found))
         rows.append((_code(row.primitives), *cats, _cell(row.torch_ops)))
@@ -202,8 +215,9 @@ def comparison_table() -> str:
 def categories_table() -> str:
     _check_categories()
     descriptions = category_descriptions()
-    return _table(("category", "what the rule does"),
-                  [(f"`{c}`", _md_cell(_sentence(descriptions[c]))) for c in CATEGORY_ORDER])
+    return _table(
+        ("category", "what the rule does"), [(f"`{c}`", _md_cell(_sentence(descriptions[c]))) for c in CATEGORY_ORDER]
+    )
 
 
 def region_modes_table() -> str:
@@ -217,8 +231,7 @@ def region_modes_table() -> str:
 
 
 def higher_order_table() -> str:
-    rows = [(f"`{name}`", f"`{rule.__module__}.{rule.__qualname__}`")
-            for name, rule in HIGHER_ORDER_RULES.items()]
+    rows = [(f"`{name}`", f"`{rule.__module__}.{rule.__qualname__}`") for name, rule in HIGHER_ORDER_RULES.items()]
     return _table(("primitive", "rule"), rows)
 
 
@@ -231,23 +244,39 @@ def device_types_table() -> str:
     for device in oplists.DEVICE_TYPES:
         aliases = sorted(a for a, d in oplists.DEVICE_ALIASES.items() if d == device)
         oplist = oplists.OPLIST_OF_DEVICE[device]
-        rows.append((_code(aliases), f"`{oplists.DEFAULT_DTYPE_OF_DEVICE[device]}`",
-                     f"`{oplist}` ({OPLIST_NAMES.get(oplist, oplist)})", f"[{device}]({device}.md)"))
+        rows.append(
+            (
+                _code(aliases),
+                f"`{oplists.DEFAULT_DTYPE_OF_DEVICE[device]}`",
+                f"`{oplist}` ({OPLIST_NAMES.get(oplist, oplist)})",
+                f"[{device}]({device}.md)",
+            )
+        )
     return _table(("device_type", "default dtype", "op list", "page"), rows)
 
 
 def accumulation_table() -> str:
     """``jamp.casting.accumulation``: which primitives sum in float32 when autocast gives them a low dtype."""
-    return _table(("primitives", "given a float16/bfloat16 input"), [
-        (_code(sorted(accumulation.WIDENED - {"broadcast_in_dim"})),
-         "bound on float32, result rounded once to the dtype its rule gives: the sum (product) accumulates "
-         "in float32, and so does its transpose"),
-        ("`broadcast_in_dim`", "bound on float32 and rounded once, when it adds elements: its transpose "
-                               "(a sum over the broadcast dimensions) accumulates in float32"),
-        (_code(sorted(accumulation.BROADCASTING)),
-         "an operand it broadcasts (a `(1, 1, d)` bias, a rank-0 scale) is broadcast in float32 and rounded "
-         "first; the op runs in the dtype its rule gives, and the gradient of that operand is summed in float32"),
-    ])
+    return _table(
+        ("primitives", "given a float16/bfloat16 input"),
+        [
+            (
+                _code(sorted(accumulation.WIDENED - {"broadcast_in_dim"})),
+                "bound on float32, result rounded once to the dtype its rule gives: the sum (product) accumulates "
+                "in float32, and so does its transpose",
+            ),
+            (
+                "`broadcast_in_dim`",
+                "bound on float32 and rounded once, when it adds elements: its transpose "
+                "(a sum over the broadcast dimensions) accumulates in float32",
+            ),
+            (
+                _code(sorted(accumulation.BROADCASTING)),
+                "an operand it broadcasts (a `(1, 1, d)` bias, a rank-0 scale) is broadcast in float32 and rounded "
+                "first; the op runs in the dtype its rule gives, and the gradient of that operand is summed in float32",
+            ),
+        ],
+    )
 
 
 def fp8_formats_table() -> str:
@@ -255,22 +284,36 @@ def fp8_formats_table() -> str:
     rows = []
     for fmt in fp8.FORMATS:
         info = jnp.finfo(fmt.dtype)
-        rows.append((_cell(fmt.role), f"`{fmt.dtype.name}`", str(info.nmant), f"{float(info.max):g}",
-                     f"{float(info.smallest_normal):g}", f"{float(info.smallest_subnormal):g}"))
+        rows.append(
+            (
+                _cell(fmt.role),
+                f"`{fmt.dtype.name}`",
+                str(info.nmant),
+                f"{float(info.max):g}",
+                f"{float(info.smallest_normal):g}",
+                f"{float(info.smallest_subnormal):g}",
+            )
+        )
     return _table(("tensors", "dtype", "mantissa bits", "largest", "smallest normal", "smallest subnormal"), rows)
 
 
 def fp8_eligibility_list() -> str:
     """The conditions of ``jamp.casting.fp8.eligible`` and the rule that applies it, with their constants."""
     modes = [m for m, rules in EFFECTIVE_RULE.items() if rules[oplists.LOWER] == oplists.LOWER]
-    return "\n".join([
-        ("- the primitive is `dot_general` and the rule of its [region mode](autocast.md#region-modes) "
-         f"for `lower` ops is `lower`: modes {_code(modes)};"),
-        f"- both operands are {' or '.join(d.name for d in ELIGIBLE_DTYPES)};",
-        "- no batch dimensions, and at least one contracting dimension;",
-        ("- the contracted extent K and the free extents M and N (each the product of its dimensions) are "
-         f"positive multiples of {fp8.ALIGNMENT}."),
-    ])
+    return "\n".join(
+        [
+            (
+                "- the primitive is `dot_general` and the rule of its [region mode](autocast.md#region-modes) "
+                f"for `lower` ops is `lower`: modes {_code(modes)};"
+            ),
+            f"- both operands are {' or '.join(d.name for d in ELIGIBLE_DTYPES)};",
+            "- no batch dimensions, and at least one contracting dimension;",
+            (
+                "- the contracted extent K and the free extents M and N (each the product of its dimensions) are "
+                f"positive multiples of {fp8.ALIGNMENT}."
+            ),
+        ]
+    )
 
 
 MARKERS = {
@@ -297,6 +340,7 @@ def expand_markers(markdown: str, where: str = "") -> str:
 
 
 # -- mkdocs hook entry points ----------------------------------------------------------------------
+
 
 def _placeholder(title: str) -> str:
     return f"# {title}\n\nThis page has not been written yet.\n"

@@ -69,8 +69,9 @@ class CharLM(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = nn.Embed(VOCAB, DIM)(tokens) + self.param("pos", nn.initializers.normal(0.02), (SEQ, DIM))
-        blocks = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True},
-                         length=LAYERS)  # one traced block, LAYERS sets of weights, activations recomputed
+        blocks = nn.scan(
+            nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS
+        )  # one traced block, LAYERS sets of weights, activations recomputed
         x, _ = blocks(name="blocks")(x, None)
         return nn.Dense(VOCAB, name="lm_head")(nn.LayerNorm()(x))
 
@@ -108,8 +109,15 @@ def bytes_per_parameter(params: dict, opt_state: optax.OptState) -> tuple[float,
     return tuple(sum(x.nbytes for x in jax.tree.leaves(tree)) / count for tree in (params, opt_state))
 
 
-def train(name: str, apply: Callable, params: dict, data: np.ndarray, scaling: bool, lr: float,
-          wrap: Callable = lambda inner: inner) -> tuple[dict, list[float], int, float, tuple[float, float]]:
+def train(
+    name: str,
+    apply: Callable,
+    params: dict,
+    data: np.ndarray,
+    scaling: bool,
+    lr: float,
+    wrap: Callable = lambda inner: inner,
+) -> tuple[dict, list[float], int, float, tuple[float, float]]:
     """AdamW with warm-up, gradients clipped inside the scaler (torch's unscale-before-clip recipe);
     ``jamp.scaler(enabled=False)`` lets the float32 run share the step code. ``wrap`` wraps the optimizer
     (``jamp.kahan_summation``...)."""
@@ -163,10 +171,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="training steps per run")
     parser.add_argument("--amp", choices=AMP, default="fp16", help="the AMP run's precision (default: fp16)")
     parser.add_argument("--params", choices=("bf16",), help="instead of AMP, keep the parameters in bfloat16")
-    parser.add_argument("--update", choices=UPDATES,
-                        help="how --params bf16 applies the updates (default: kahan)")
-    parser.add_argument("--state-dtype", choices=("float32",), help="AdamW's moments for --params bf16 "
-                        "(default: the parameters' dtype)")
+    parser.add_argument("--update", choices=UPDATES, help="how --params bf16 applies the updates (default: kahan)")
+    parser.add_argument(
+        "--state-dtype", choices=("float32",), help="AdamW's moments for --params bf16 (default: the parameters' dtype)"
+    )
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
     args = parser.parse_args()
     if args.params is None and (args.update or args.state_dtype):
@@ -178,8 +186,10 @@ def main() -> None:
     train_text, held_out = load_text()
     data = batches(train_text, args.steps, SEED)
     params = jax.jit(MODEL.init)(jax.random.key(SEED), data[0, :, :-1])
-    print(f"{len(train_text):,} training bytes from {', '.join(SOURCES)}; "
-          f"{sum(x.size for x in jax.tree.leaves(params)):,} parameters")
+    print(
+        f"{len(train_text):,} training bytes from {', '.join(SOURCES)}; "
+        f"{sum(x.size for x in jax.tree.leaves(params)):,} parameters"
+    )
 
     policy_name, loss_scaling = AMP["bf16" if args.params else args.amp]
     policy = jamp.get_policy(policy_name).with_rules({"*lm_head*": "float32"})
@@ -190,15 +200,22 @@ def main() -> None:
     else:
         amp_name, amp_params, wrap = f"amp_{args.amp}", params, lambda inner: inner
     results, curves = {}, {}
-    for name, apply, start, scaling, wrapper in (("float32", MODEL.apply, params, False, lambda inner: inner),
-                                                 (amp_name, amp, amp_params, loss_scaling, wrap)):
+    for name, apply, start, scaling, wrapper in (
+        ("float32", MODEL.apply, params, False, lambda inner: inner),
+        (amp_name, amp, amp_params, loss_scaling, wrap),
+    ):
         trained, curves[name], skipped, scale, memory = train(name, apply, start, data, scaling, args.lr, wrapper)
         results[name] = (np.mean(curves[name][-20:]), evaluate(apply, trained, held_out))
-        print(f"{name:>8}: train loss {curves[name][0]:.4f} -> {results[name][0]:.4f} (last 20 steps), "
-              f"held-out {results[name][1]:.4f} nats/byte, {skipped} skipped steps, final loss scale {scale:g}",
-              flush=True)
-        print(f"{name:>8}: {sum(memory):.2f} bytes per parameter kept between steps (parameters {memory[0]:.2f} "
-              f"+ optimizer state {memory[1]:.2f})", flush=True)
+        print(
+            f"{name:>8}: train loss {curves[name][0]:.4f} -> {results[name][0]:.4f} (last 20 steps), "
+            f"held-out {results[name][1]:.4f} nats/byte, {skipped} skipped steps, final loss scale {scale:g}",
+            flush=True,
+        )
+        print(
+            f"{name:>8}: {sum(memory):.2f} bytes per parameter kept between steps (parameters {memory[0]:.2f} "
+            f"+ optimizer state {memory[1]:.2f})",
+            flush=True,
+        )
     gap = np.max(np.abs(np.subtract(curves["float32"], curves[amp_name])))
     print(f"largest per-step difference of the training losses: {gap:.2e} nats")
 

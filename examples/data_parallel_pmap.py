@@ -33,9 +33,11 @@ AXIS = "batch"
 
 
 def init_params(rng: np.random.Generator) -> dict:
-    return {"w1": rng.standard_normal((FEATURES, HIDDEN), np.float32) / FEATURES**0.5,
-            "b1": np.zeros(HIDDEN, np.float32),
-            "w2": rng.standard_normal((HIDDEN, 1), np.float32) / HIDDEN**0.5}
+    return {
+        "w1": rng.standard_normal((FEATURES, HIDDEN), np.float32) / FEATURES**0.5,
+        "b1": np.zeros(HIDDEN, np.float32),
+        "w2": rng.standard_normal((HIDDEN, 1), np.float32) / HIDDEN**0.5,
+    }
 
 
 def mlp(params: dict, x: jax.Array) -> jax.Array:
@@ -48,8 +50,7 @@ def loss_fn(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
 
 def make_optimizer() -> optax.GradientTransformation:
     average = optax.stateless(lambda grads, _: jax.lax.pmean(grads, AXIS))  # the gradient all-reduce
-    return jamp.scaler(optax.chain(average, optax.adam(3e-3)), init_scale=2.0**15, growth_interval=20,
-                       axis_name=AXIS)
+    return jamp.scaler(optax.chain(average, optax.adam(3e-3)), init_scale=2.0**15, growth_interval=20, axis_name=AXIS)
 
 
 def make_step(tx: optax.GradientTransformation):

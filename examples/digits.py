@@ -81,7 +81,8 @@ def load_data() -> Data:
     digits = load_digits()
     x = (digits.images / 16.0).astype(np.float32)[..., None]
     x_train, x_test, y_train, y_test = train_test_split(
-        x, digits.target, test_size=0.25, random_state=SEED, stratify=digits.target)
+        x, digits.target, test_size=0.25, random_state=SEED, stratify=digits.target
+    )
     return Data(x_train, y_train.astype(np.int32), x_test, y_test.astype(np.int32))
 
 
@@ -129,8 +130,9 @@ def train(name: str, forward: Callable, scaling: bool, params: dict, data: Data,
         skipped.append(bool(jamp.found_inf(opt_state)))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     predictions = jnp.argmax(jax.jit(forward)(params, data.x_test), -1)
-    return Run(params, np.array(losses), np.array(scales), np.array(skipped),
-               float(jnp.mean(predictions == data.y_test)))
+    return Run(
+        params, np.array(losses), np.array(scales), np.array(skipped), float(jnp.mean(predictions == data.y_test))
+    )
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -164,8 +166,14 @@ def plot(runs: dict[str, Run], path: Path) -> None:
     scaled = runs["fp16_scaled"]
     ax_scale.plot(scaled.scales, color="C2", label="loss scale (fp16_scaled)")
     where = np.flatnonzero(scaled.skipped)
-    ax_scale.scatter(where, scaled.scales[where], color="red", marker="x", zorder=3,
-                     label=f"skipped step (inf/NaN grads): {len(where)}")
+    ax_scale.scatter(
+        where,
+        scaled.scales[where],
+        color="red",
+        marker="x",
+        zorder=3,
+        label=f"skipped step (inf/NaN grads): {len(where)}",
+    )
     ax_scale.set(xlabel="step", ylabel="scale")
     ax_scale.set_yscale("log", base=2)
     ax_scale.legend()
@@ -192,10 +200,14 @@ def main() -> None:
 
     scaled, unscaled = runs["fp16_scaled"], runs["fp16_unscaled"]
     print(f"figure: {args.out}")
-    print(f"fp16_scaled: scale {scaled.scales[0]:g} -> {scaled.scales[-1]:g}, "
-          f"{int(scaled.skipped.sum())} of {len(scaled.skipped)} steps skipped")
-    print("weight-gradient entries that float16 flushes to zero (one batch, nonzero in float32), "
-          "unscaled / scaled by 2**16:")
+    print(
+        f"fp16_scaled: scale {scaled.scales[0]:g} -> {scaled.scales[-1]:g}, "
+        f"{int(scaled.skipped.sum())} of {len(scaled.skipped)} steps skipped"
+    )
+    print(
+        "weight-gradient entries that float16 flushes to zero (one batch, nonzero in float32), "
+        "unscaled / scaled by 2**16:"
+    )
     for when, p in (("at initialisation", params), ("after training", unscaled.params)):
         unscaled_share, scaled_share = underflow_share(fp16, p, 1.0, data), underflow_share(fp16, p, 2.0**16, data)
         print(f"  {when:>17}: {unscaled_share:.2%} / {scaled_share:.2%}")

@@ -89,7 +89,7 @@ def train(name: str, loss: Callable, tx: optax.GradientTransformation, data: tup
     step = make_step(loss, tx)
     order = np.random.default_rng(0).permutation(np.arange(steps * BATCH) % len(x_train))  # same batches
     for i in range(steps):
-        batch = order[i * BATCH:(i + 1) * BATCH]
+        batch = order[i * BATCH : (i + 1) * BATCH]
         model, state, opt_state, value = step(model, state, opt_state, x_train[batch], y_train[batch])
         if i % max(1, steps // 5) == 0 or i == steps - 1:
             scaled = jamp.get_scale(opt_state), jamp.found_inf(opt_state)
@@ -120,8 +120,10 @@ def main() -> None:
         ran = {d for row in rows for d in row.ran_dtypes if "float" in d}
         sums = {d for row in rows if row.primitive == "reduce_sum" for d in row.ran_dtypes}
         if ran:
-            print(f"  {path or '(loss)':16s} ran in {', '.join(sorted(ran))}"
-                  + (f"; its sums in {', '.join(sorted(sums))}" if sums else ""))
+            print(
+                f"  {path or '(loss)':16s} ran in {', '.join(sorted(ran))}"
+                + (f"; its sums in {', '.join(sorted(sums))}" if sums else "")
+            )
 
     fp32_acc = accuracy(lambda m: m, *fp32, jnp.asarray(x_test), jnp.asarray(y_test))
     amp_acc = accuracy(lambda m: jamp.autocast(m, device_type="gpu"), *amp, jnp.asarray(x_test), jnp.asarray(y_test))

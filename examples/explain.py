@@ -1,6 +1,6 @@
 """jamp's precision tools on a transformer block: what ran in which dtype, and where an overflow starts.
 
-    python examples/explain.py
+python examples/explain.py
 """
 
 from __future__ import annotations
@@ -42,22 +42,30 @@ def main():
     print(report)
     dots = [row for row in report.rows if row.primitive == "dot_general"]
     norms = {row.path for row in report.rows if "LayerNorm" in row.path}
-    print(f"{sum(row.low_precision for row in dots)} of {len(dots)} matmuls ran in float16; "
-          f"{' and '.join(sorted(norms))} ran in float32 (the GPU list's LayerNorm rule).\n")
+    print(
+        f"{sum(row.low_precision for row in dots)} of {len(dots)} matmuls ran in float16; "
+        f"{' and '.join(sorted(norms))} ran in float32 (the GPU list's LayerNorm rule).\n"
+    )
 
     print("2. jamp.find_overflow: the first op whose float16 result is inf/NaN where float32's is finite.")
     step = jax.value_and_grad(loss_fn)
-    print("   Checking the block's forward and backward pass (it compiles the float32 and float16 programs: "
-          "a few seconds)...")
+    print(
+        "   Checking the block's forward and backward pass (it compiles the float32 and float16 programs: "
+        "a few seconds)..."
+    )
     clean = jamp.find_overflow(step, device_type="gpu", min_underflow=1.0)(params, x, labels, Block())
     print(f"   {clean or 'No overflow: every float16 result is finite where float32 is.'}")
     print("   Now with the MLP's activations multiplied by 30000, past float16's largest value (65504)...")
     finding = jamp.find_overflow(step, device_type="gpu", min_underflow=1.0)(
-        params, x, labels, Block(activation_gain=3e4))
+        params, x, labels, Block(activation_gain=3e4)
+    )
     print(f"   Found: {finding}")
     if finding is not None:
-        print(f"   {short_source(finding.source)} is the line to change: scale the activations down there, or "
-              "keep that region in float32 with a policy rule.")
+        print(
+            f"   {short_source(finding.source)} is the line to change: scale the activations down there, or "
+            "keep that region in float32 with a policy rule."
+        )
+
 
 if __name__ == "__main__":
     main()

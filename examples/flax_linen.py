@@ -1,6 +1,6 @@
 """The Flax linen pattern: autocast ``model.apply``, keep one module in float32 by its path, scale the loss.
 
-    python examples/flax_linen.py [--steps 100]
+python examples/flax_linen.py [--steps 100]
 """
 
 from __future__ import annotations
@@ -57,13 +57,20 @@ def main() -> None:
     for i in range(steps):
         params, opt_state, loss = step(params, opt_state, x, y)
         if i % max(1, steps // 5) == 0 or i == steps - 1:
-            print(f"step {i:4d}  loss {float(loss):.4f}  scale {float(jamp.get_scale(opt_state)):g}  "
-                  f"skipped {bool(jamp.found_inf(opt_state))}")
+            print(
+                f"step {i:4d}  loss {float(loss):.4f}  scale {float(jamp.get_scale(opt_state)):g}  "
+                f"skipped {bool(jamp.found_inf(opt_state))}"
+            )
 
     report = jamp.explain(model.apply, policy=policy)(params, x)  # which op ran in which dtype, where
     for path in sorted({row.path for row in report.rows}):
-        ran = {d for row in report.rows if row.path == path and row.rule != "passthrough"  # reshapes: no math
-               for d in row.ran_dtypes if "float" in d}
+        ran = {
+            d
+            for row in report.rows
+            if row.path == path and row.rule != "passthrough"  # reshapes: no math
+            for d in row.ran_dtypes
+            if "float" in d
+        }
         print(f"  {path:16s} ran in {', '.join(sorted(ran))}")
     accuracy = jnp.mean(jnp.argmax(apply(params, x), -1) == y)
     print(f"RESULT train_accuracy={float(accuracy):.3f}")

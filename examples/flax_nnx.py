@@ -74,13 +74,20 @@ def main() -> None:
             scale, skipped = jamp.get_scale(optimizer.opt_state), jamp.found_inf(optimizer.opt_state)
             print(f"step {i:4d}  loss {float(loss):.4f}  scale {float(scale):g}  skipped {bool(skipped)}")
 
-    print(f"BatchNorm running mean moved to |mean| {float(jnp.abs(model.bn.mean[...]).mean()):.3f} (0 at init); "
-          f"Dropout RNG count {int(model.drop.rngs.count[...])} (one per training step)")
+    print(
+        f"BatchNorm running mean moved to |mean| {float(jnp.abs(model.bn.mean[...]).mean()):.3f} (0 at init); "
+        f"Dropout RNG count {int(model.drop.rngs.count[...])} (one per training step)"
+    )
     model.eval()  # BatchNorm now normalises with the running statistics written during training; no dropout
     report = jamp.explain(lambda model, x: model(x), policy=POLICY)(model, x)
     for path in sorted({row.path for row in report.rows}):
-        ran = {d for row in report.rows if row.path == path and row.rule != "passthrough"  # reshapes: no math
-               for d in row.ran_dtypes if "float" in d}
+        ran = {
+            d
+            for row in report.rows
+            if row.path == path and row.rule != "passthrough"  # reshapes: no math
+            for d in row.ran_dtypes
+            if "float" in d
+        }
         print(f"  {path or '(top level)':12s} ran in {', '.join(sorted(ran))}")
     accuracy = jnp.mean(jnp.argmax(amp_call(model, x), -1) == y)
     print(f"RESULT train_accuracy={float(accuracy):.3f}")

@@ -35,10 +35,12 @@ FEATURES, HIDDEN, PER_DEVICE = 64, 256, 16
 
 
 def init_params(rng: np.random.Generator) -> dict:
-    return {"w1": rng.standard_normal((FEATURES, HIDDEN), np.float32) / FEATURES**0.5,
-            "b1": np.zeros(HIDDEN, np.float32),
-            "w2": rng.standard_normal((HIDDEN, FEATURES), np.float32) / HIDDEN**0.5,
-            "b2": np.zeros(FEATURES, np.float32)}
+    return {
+        "w1": rng.standard_normal((FEATURES, HIDDEN), np.float32) / FEATURES**0.5,
+        "b1": np.zeros(HIDDEN, np.float32),
+        "w2": rng.standard_normal((HIDDEN, FEATURES), np.float32) / HIDDEN**0.5,
+        "b2": np.zeros(FEATURES, np.float32),
+    }
 
 
 def mlp(params: dict, x: jax.Array) -> jax.Array:
@@ -95,8 +97,10 @@ def main() -> None:
     step = make_step(tx)
     data = NamedSharding(mesh, P("fsdp"))
     batch_size = PER_DEVICE * mesh.size
-    print(f"{mesh.size} devices on {jax.devices()[0].platform}; w1 {params['w1'].sharding.spec}, "
-          f"Adam mu[w1] {opt_state.inner_state[0].mu['w1'].sharding.spec}")
+    print(
+        f"{mesh.size} devices on {jax.devices()[0].platform}; w1 {params['w1'].sharding.spec}, "
+        f"Adam mu[w1] {opt_state.inner_state[0].mu['w1'].sharding.spec}"
+    )
 
     hlo = jax.jit(tx.update).lower(params, opt_state, params).compile().as_text()  # grads shaped as params
     print(f"all-gather in the scaler update: {'all-gather' in hlo}")
@@ -113,8 +117,10 @@ def main() -> None:
         if i % 10 == 0 or i == args.steps - 1:
             print(f"step {i:3d}  loss {float(loss):9.4f}  scale {float(jamp.get_scale(opt_state)):8.0f}")
 
-    kept = all(a.is_equivalent_to(b, leaf.ndim) for a, b, leaf in
-               zip(before, shardings_of((params, opt_state)), jax.tree.leaves((params, opt_state))))
+    kept = all(
+        a.is_equivalent_to(b, leaf.ndim)
+        for a, b, leaf in zip(before, shardings_of((params, opt_state)), jax.tree.leaves((params, opt_state)))
+    )
     print(f"skipped steps: {skipped}")
     print(f"final loss: {float(loss):.4f}")
     print(f"scale: {float(jamp.get_scale(opt_state)):.0f}")

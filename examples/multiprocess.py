@@ -54,6 +54,7 @@ def parse_args() -> argparse.Namespace:
 
 # --- launcher ----------------------------------------------------------------------------------------------
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,11 +64,27 @@ def free_port() -> int:
 def launch_local(args: argparse.Namespace) -> int:
     """Start the workers on loopback; return 0 when all succeed, else kill the rest and return non-zero."""
     coordinator = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, __file__, "--coordinator", coordinator,
-                               "--num-processes", str(args.num_processes), "--process-id", str(i),
-                               "--cpu-devices", "2", "--steps", str(args.steps),
-                               "--overflow-step", str(args.overflow_step)])
-             for i in range(args.num_processes)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--coordinator",
+                coordinator,
+                "--num-processes",
+                str(args.num_processes),
+                "--process-id",
+                str(i),
+                "--cpu-devices",
+                "2",
+                "--steps",
+                str(args.steps),
+                "--overflow-step",
+                str(args.overflow_step),
+            ]
+        )
+        for i in range(args.num_processes)
+    ]
     deadline = time.monotonic() + args.timeout
     try:
         while any(p.poll() is None for p in procs):
@@ -85,6 +102,7 @@ def launch_local(args: argparse.Namespace) -> int:
 
 # --- worker ------------------------------------------------------------------------------------------------
 
+
 def configure_and_join(args: argparse.Namespace) -> None:
     """Join the cluster; with ``--cpu-devices`` first make this process a K-device CPU host with gloo."""
     if args.cpu_devices:
@@ -95,9 +113,11 @@ def configure_and_join(args: argparse.Namespace) -> None:
 
 
 def init_params(rng: np.random.Generator) -> dict:
-    return {"w1": rng.standard_normal((FEATURES, HIDDEN), np.float32) / FEATURES**0.5,
-            "b1": np.zeros(HIDDEN, np.float32),
-            "w2": rng.standard_normal((HIDDEN, 1), np.float32) / HIDDEN**0.5}
+    return {
+        "w1": rng.standard_normal((FEATURES, HIDDEN), np.float32) / FEATURES**0.5,
+        "b1": np.zeros(HIDDEN, np.float32),
+        "w2": rng.standard_normal((HIDDEN, 1), np.float32) / HIDDEN**0.5,
+    }
 
 
 def mlp(params: dict, x: jax.Array) -> jax.Array:
@@ -150,8 +170,10 @@ def train(args: argparse.Namespace) -> None:
     tx = jamp.scaler(optax.adam(3e-3), init_scale=2.0**15, growth_interval=10)
     opt_state = jax.jit(tx.init, out_shardings=replicated)(params)
     step = make_step(tx)
-    print(f"{me} {jax.local_device_count()} local of {jax.device_count()} devices on {jax.devices()[0].platform}",
-          flush=True)
+    print(
+        f"{me} {jax.local_device_count()} local of {jax.device_count()} devices on {jax.devices()[0].platform}",
+        flush=True,
+    )
 
     skipped = []
     for i in range(args.steps):
@@ -162,9 +184,12 @@ def train(args: argparse.Namespace) -> None:
             skipped.append(i)
 
     everyone = multihost_utils.process_allgather(fingerprint((params, opt_state)))
-    print(f"{me} skipped steps: {skipped}\n{me} final loss: {float(loss):.4f}\n"
-          f"{me} scale: {float(jamp.get_scale(opt_state)):.0f}\n"
-          f"{me} processes agree: {bool(np.all(everyone == everyone[0, 0]))}", flush=True)
+    print(
+        f"{me} skipped steps: {skipped}\n{me} final loss: {float(loss):.4f}\n"
+        f"{me} scale: {float(jamp.get_scale(opt_state)):.0f}\n"
+        f"{me} processes agree: {bool(np.all(everyone == everyone[0, 0]))}",
+        flush=True,
+    )
     jax.distributed.shutdown()
 
 

@@ -24,8 +24,10 @@ STEPS = 60
 
 def init_mlp(key, sizes):
     keys = jax.random.split(key, len(sizes) - 1)
-    return [{"w": jax.random.normal(k, (m, n)) * (2 / m) ** 0.5, "b": jnp.zeros(n)}
-            for k, m, n in zip(keys, sizes[:-1], sizes[1:])]
+    return [
+        {"w": jax.random.normal(k, (m, n)) * (2 / m) ** 0.5, "b": jnp.zeros(n)}
+        for k, m, n in zip(keys, sizes[:-1], sizes[1:])
+    ]
 
 
 def mlp(params, x):
@@ -63,8 +65,9 @@ def train(loss, tx, params, inputs, labels):
 
 def ran_in(report, primitive):
     """'float16: 8' for the rows of ``primitive``: how many ran on each floating input dtype."""
-    counts = collections.Counter(", ".join(sorted({d for d in r.ran_dtypes if "float" in d}))
-                                 for r in report.rows if r.primitive == primitive)
+    counts = collections.Counter(
+        ", ".join(sorted({d for d in r.ran_dtypes if "float" in d})) for r in report.rows if r.primitive == primitive
+    )
     return "  ".join(f"{dtype}: {n}" for dtype, n in sorted(counts.items()))
 
 
@@ -85,10 +88,12 @@ def main():
         print(f"{i:4d}   {ref_losses[i]:7.4f}   {amp_losses[i]:11.4f}")
     print(f"train accuracy: float32 {ref_acc:.3f}, float16 AMP {amp_acc:.3f}")
     print(f"loss scale: 65536 -> {float(jamp.get_scale(amp_state)):.0f}, {skipped} of {STEPS} steps skipped")
-    print("A good result: the two loss columns fall together and agree to about three decimals, the accuracies\n"
-          "match, and few steps are skipped (a skip is a step whose float16 gradients overflowed at the current\n"
-          "scale: the scaler drops it and halves the scale). Columns that drift apart or show nan mean an op ran\n"
-          "in too narrow a dtype; jamp.find_overflow(amp_loss)(params, x, y) names the first one.")
+    print(
+        "A good result: the two loss columns fall together and agree to about three decimals, the accuracies\n"
+        "match, and few steps are skipped (a skip is a step whose float16 gradients overflowed at the current\n"
+        "scale: the scaler drops it and halves the scale). Columns that drift apart or show nan mean an op ran\n"
+        "in too narrow a dtype; jamp.find_overflow(amp_loss)(params, x, y) names the first one."
+    )
 
     print("\nwhat one training step (forward + backward) ran in, from jamp.explain:")
     report = jamp.explain(jax.grad(loss_fn), device_type="gpu")(params, inputs, labels)

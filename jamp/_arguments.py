@@ -10,7 +10,7 @@ import numpy as np
 def shown(value: Any, width: int = 40) -> str:
     """``repr(value)`` cut to ``width`` characters, so an error about ``10**400`` stays one line."""
     text = repr(value)
-    return text if len(text) <= width else f"{text[:width - 12]}...({len(text)} chars)"
+    return text if len(text) <= width else f"{text[: width - 12]}...({len(text)} chars)"
 
 
 def checked_bool(name: str, value: Any) -> bool:
@@ -24,6 +24,8 @@ def checked_transformation(what: str, tx: Any) -> Any:
     """``tx`` if it has callable ``init`` and ``update`` (duck-typed as optax.chain does, so optax.MultiSteps fits);
     a TypeError naming ``what`` (e.g. "jamp.scaler's argument 0") otherwise."""
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-        raise TypeError(f"{what} must be an optax.GradientTransformation (or have its init and update, as "
-                        f"optax.MultiSteps does), got {shown(tx)} of type {type(tx).__name__}")
+        raise TypeError(
+            f"{what} must be an optax.GradientTransformation (or have its init and update, as "
+            f"optax.MultiSteps does), got {shown(tx)} of type {type(tx).__name__}"
+        )
     return tx

@@ -49,19 +49,19 @@ CUSTOM_VJP = "custom_vjp_call"
 SHARD_MAP = "shard_map"
 
 # Parameter names of those primitives (unchanged from jax 0.10.2 through 0.12.x).
-JIT_JAXPR = "jaxpr"            # ClosedJaxpr
+JIT_JAXPR = "jaxpr"  # ClosedJaxpr
 JIT_NAME = "name"
-CALL_JAXPR = "call_jaxpr"      # closed_call, custom_jvp_call, custom_vjp_call: ClosedJaxpr
-REMAT_JAXPR = "jaxpr"          # open Jaxpr, no consts
-SCAN_JAXPR = "jaxpr"           # ClosedJaxpr
-WHILE_COND = "cond_jaxpr"      # ClosedJaxpr
-WHILE_BODY = "body_jaxpr"      # ClosedJaxpr
-COND_BRANCHES = "branches"     # tuple[ClosedJaxpr]
-JVP_THUNK = "jvp_jaxpr_fun"    # WrappedFun: (*zeros) -> (Jaxpr, consts, out_zeros)
+CALL_JAXPR = "call_jaxpr"  # closed_call, custom_jvp_call, custom_vjp_call: ClosedJaxpr
+REMAT_JAXPR = "jaxpr"  # open Jaxpr, no consts
+SCAN_JAXPR = "jaxpr"  # ClosedJaxpr
+WHILE_COND = "cond_jaxpr"  # ClosedJaxpr
+WHILE_BODY = "body_jaxpr"  # ClosedJaxpr
+COND_BRANCHES = "branches"  # tuple[ClosedJaxpr]
+JVP_THUNK = "jvp_jaxpr_fun"  # WrappedFun: (*zeros) -> (Jaxpr, consts, out_zeros)
 NUM_CONSTS = "num_consts"
 FWD_THUNK = "fwd_jaxpr_thunk"  # WrappedFun: (*nonzeros) -> (Jaxpr, consts)
-BWD = "bwd"                    # WrappedFun: python bwd rule, flat
-SHARD_MAP_JAXPR = "jaxpr"      # open Jaxpr with per-shard avals
+BWD = "bwd"  # WrappedFun: python bwd rule, flat
+SHARD_MAP_JAXPR = "jaxpr"  # open Jaxpr with per-shard avals
 SHARD_MAP_OUT_SPECS = "out_specs"
 
 
@@ -94,8 +94,11 @@ def _autocast_tracing_state():
     process (a re-imported jamp finds it)."""
     name = "jamp_autocast_tracing"
     return jax_config.config_states.get(name) or jax_config.bool_state(
-        name, False, help="Set by jamp while jamp.autocast traces a function; not a user option.",
-        include_in_trace_context=True)
+        name,
+        False,
+        help="Set by jamp while jamp.autocast traces a function; not a user option.",
+        include_in_trace_context=True,
+    )
 
 
 _AUTOCAST_TRACING = _autocast_tracing_state()
@@ -161,8 +164,10 @@ def producer_inputs(eqn) -> list:
 
 
 def _transposed(eqn) -> bool:
-    return any(isinstance(t, source_info_util.Transform) and t.name == "transpose"
-               for t in getattr(eqn.source_info.name_stack, "stack", ()))
+    return any(
+        isinstance(t, source_info_util.Transform) and t.name == "transpose"
+        for t in getattr(eqn.source_info.name_stack, "stack", ())
+    )
 
 
 def made_by_backward_pass(eqn, budget: int = 10_000) -> bool:
@@ -251,10 +256,32 @@ def _host_as_h100():
 
 
 __all__ = [
-    "ClosedJaxpr", "Jaxpr", "Literal", "Var", "convert_constvars_jaxpr", "jaxpr_as_fun",
-    "jaxprs_in_params", "weakref_lru_cache", "wrap_init", "user_context", "name_stack_str", "current_name_stack",
-    "autocast_tracing", "hide_from_source_info", "source_location",
-    "INLINE_WHILE_TRACING", "is_differentiated", "is_symbolic_zero", "shard_map_body", "split_bwd_result", "join_bwd_result",
-    "lower_for_cuda", "jaxpr_trace_of", "producer", "producer_inputs", "made_by_backward_pass",
-    "cudnn_version", "jit_body",
+    "INLINE_WHILE_TRACING",
+    "ClosedJaxpr",
+    "Jaxpr",
+    "Literal",
+    "Var",
+    "autocast_tracing",
+    "convert_constvars_jaxpr",
+    "cudnn_version",
+    "current_name_stack",
+    "hide_from_source_info",
+    "is_differentiated",
+    "is_symbolic_zero",
+    "jaxpr_as_fun",
+    "jaxpr_trace_of",
+    "jaxprs_in_params",
+    "jit_body",
+    "join_bwd_result",
+    "lower_for_cuda",
+    "made_by_backward_pass",
+    "name_stack_str",
+    "producer",
+    "producer_inputs",
+    "shard_map_body",
+    "source_location",
+    "split_bwd_result",
+    "user_context",
+    "weakref_lru_cache",
+    "wrap_init",
 ]

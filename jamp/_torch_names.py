@@ -17,44 +17,71 @@ import optax
 from jamp.casting import oplists
 from jamp.casting.dtypes import DTYPE_NAMES
 
-_SCALER = ("the scaler is an optax transformation that wraps your optimizer: tx = jamp.scaler(optax.adam(1e-3)), "
-           "opt_state = tx.init(params); in each step differentiate jamp.scale(loss, opt_state) (torch's "
-           "scaler.scale(loss).backward()), then updates, opt_state = tx.update(grads, opt_state, params) "
-           "unscales, checks for inf/NaN, steps or skips and moves the scale (scaler.step and scaler.update)")
-_NO_GLOBAL_STATE = ("jamp keeps no global autocast state: autocast is a function transformation, and what it "
-                    "runs in which dtype is an argument, jamp.autocast(fn, device_type='gpu', dtype=jnp.float16). "
-                    "To see the dtypes: jamp.explain(fn, device_type='gpu')(*args); the default dtype of a "
-                    "device: jamp.get_policy('gpu').compute_dtype")
+_SCALER = (
+    "the scaler is an optax transformation that wraps your optimizer: tx = jamp.scaler(optax.adam(1e-3)), "
+    "opt_state = tx.init(params); in each step differentiate jamp.scale(loss, opt_state) (torch's "
+    "scaler.scale(loss).backward()), then updates, opt_state = tx.update(grads, opt_state, params) "
+    "unscales, checks for inf/NaN, steps or skips and moves the scale (scaler.step and scaler.update)"
+)
+_NO_GLOBAL_STATE = (
+    "jamp keeps no global autocast state: autocast is a function transformation, and what it "
+    "runs in which dtype is an argument, jamp.autocast(fn, device_type='gpu', dtype=jnp.float16). "
+    "To see the dtypes: jamp.explain(fn, device_type='gpu')(*args); the default dtype of a "
+    "device: jamp.get_policy('gpu').compute_dtype"
+)
 _AUTOCAST = "jamp.autocast(fn, device_type='gpu', dtype=jnp.float16) or @jamp.autocast(device_type='gpu')"
 
 # name looked up on the jamp module -> what to write instead
 MODULE_NAMES: dict[str, str] = {
     "GradScaler": f"jamp has no GradScaler class; {_SCALER}",
-    "ShardedGradScaler": (f"jamp has no ShardedGradScaler; {_SCALER}. Under jax.jit with sharded arrays the "
-                          "check covers the global gradients; under pmap/shard_map pass "
-                          "jamp.scaler(optimizer, axis_name=...)"),
-    "custom_bwd": ("not needed: the backward rule of a jax.custom_vjp runs under the same autocast state as its "
-                   "forward; decorate the custom_vjp function with jamp.custom_fwd(fn, cast_inputs=jnp.float32) "
-                   "to run both in one precision"),
+    "ShardedGradScaler": (
+        f"jamp has no ShardedGradScaler; {_SCALER}. Under jax.jit with sharded arrays the "
+        "check covers the global gradients; under pmap/shard_map pass "
+        "jamp.scaler(optimizer, axis_name=...)"
+    ),
+    "custom_bwd": (
+        "not needed: the backward rule of a jax.custom_vjp runs under the same autocast state as its "
+        "forward; decorate the custom_vjp function with jamp.custom_fwd(fn, cast_inputs=jnp.float32) "
+        "to run both in one precision"
+    ),
     "amp": f"jamp is torch.amp: torch.amp.autocast is {_AUTOCAST}, torch.amp.GradScaler is jamp.scaler(optimizer)",
     "autocast_mode": f"torch.amp.autocast_mode.autocast is {_AUTOCAST}",
     "grad_scaler": "torch.amp.grad_scaler.GradScaler is jamp.scaler(optimizer)",
     "cuda": f"jamp has no per-device modules: torch.cuda.amp.autocast is {_AUTOCAST}, "
-            "torch.cuda.amp.GradScaler is jamp.scaler(optimizer)",
+    "torch.cuda.amp.GradScaler is jamp.scaler(optimizer)",
     "cpu": "jamp has no per-device modules: torch.cpu.amp.autocast is jamp.autocast(fn, device_type='cpu') "
-           "(bfloat16 by default)",
-    "is_autocast_available": ("every device_type ('gpu'/'cuda', 'cpu', 'tpu') is available: a policy picks op "
-                              "lists and never checks which hardware is present"),
-    **dict.fromkeys(("is_autocast_enabled", "set_autocast_enabled", "get_autocast_dtype", "set_autocast_dtype",
-                     "get_autocast_gpu_dtype", "set_autocast_gpu_dtype", "get_autocast_cpu_dtype",
-                     "set_autocast_cpu_dtype", "is_autocast_cpu_enabled", "set_autocast_cpu_enabled",
-                     "is_autocast_cache_enabled", "set_autocast_cache_enabled", "clear_autocast_cache"),
-                    _NO_GLOBAL_STATE),
+    "(bfloat16 by default)",
+    "is_autocast_available": (
+        "every device_type ('gpu'/'cuda', 'cpu', 'tpu') is available: a policy picks op "
+        "lists and never checks which hardware is present"
+    ),
+    **dict.fromkeys(
+        (
+            "is_autocast_enabled",
+            "set_autocast_enabled",
+            "get_autocast_dtype",
+            "set_autocast_dtype",
+            "get_autocast_gpu_dtype",
+            "set_autocast_gpu_dtype",
+            "get_autocast_cpu_dtype",
+            "set_autocast_cpu_dtype",
+            "is_autocast_cpu_enabled",
+            "set_autocast_cpu_enabled",
+            "is_autocast_cache_enabled",
+            "set_autocast_cache_enabled",
+            "clear_autocast_cache",
+        ),
+        _NO_GLOBAL_STATE,
+    ),
     # jmp and flax
-    **dict.fromkeys(("DynamicLossScale", "StaticLossScale", "DynamicScale"),
-                    f"jamp's dynamic loss scaling is jamp.scaler(optimizer); {_SCALER}"),
-    **dict.fromkeys(("all_finite", "select_tree"),
-                    "not needed: tx = jamp.scaler(optimizer) checks the gradients and skips the step in tx.update"),
+    **dict.fromkeys(
+        ("DynamicLossScale", "StaticLossScale", "DynamicScale"),
+        f"jamp's dynamic loss scaling is jamp.scaler(optimizer); {_SCALER}",
+    ),
+    **dict.fromkeys(
+        ("all_finite", "select_tree"),
+        "not needed: tx = jamp.scaler(optimizer) checks the gradients and skips the step in tx.update",
+    ),
 }
 
 
@@ -89,35 +116,49 @@ def autocast_needs_a_function(fun: Any, options: dict[str, Any], defaults: dict[
     """The error for ``jamp.autocast(fun, **options)`` with a ``fun`` that is not callable. A string is torch's
     positional ``device_type`` (``torch.autocast("cuda", dtype=torch.float16)``) or a dtype name: the message
     shows the call with it as a keyword, beside the keywords given that differ from ``defaults``."""
-    keyword = ("device_type" if fun in oplists.DEVICE_ALIASES else "dtype" if fun in DTYPE_NAMES else None) \
-        if isinstance(fun, str) else None
+    keyword = (
+        ("device_type" if fun in oplists.DEVICE_ALIASES else "dtype" if fun in DTYPE_NAMES else None)
+        if isinstance(fun, str)
+        else None
+    )
     if keyword is None:
-        return TypeError(f"autocast()(fun) requires a callable, but got {type(fun).__name__} {fun!r:.60}. "
-                         "Use jamp.autocast(f)(*args) or @jamp.autocast.")
+        return TypeError(
+            f"autocast()(fun) requires a callable, but got {type(fun).__name__} {fun!r:.60}. "
+            "Use jamp.autocast(f)(*args) or @jamp.autocast."
+        )
     given = {keyword: fun, **{k: v for k, v in options.items() if k != keyword and not _is_default(v, defaults[k])}}
     keywords = ", ".join(f"{k}={_keyword_value(k, v)}" for k, v in given.items())
     return TypeError(
         f"jamp.autocast({fun!r}, ...): {keyword} is a keyword argument; the only positional argument is the "
         f"function to transform. Write jamp.autocast(fn, {keywords})(*args), or decorate fn with "
         f"@jamp.autocast({keywords}): autocast rewrites a whole function, so what torch runs in a "
-        "`with torch.autocast(...):` block becomes a function.")
+        "`with torch.autocast(...):` block becomes a function."
+    )
 
 
 # torch GradScaler method -> what to write with tx = jamp.scaler(...) (the state is opt_state = tx.init(params))
 SCALER_METHODS: dict[str, str] = {
     "scale": "jamp.scale(loss, opt_state), inside the function you differentiate",
-    "step": ("updates, opt_state = tx.update(grads, opt_state, params), then optax.apply_updates(params, updates): "
-             "it unscales, checks for inf/NaN, steps or skips and moves the scale (step and update in one call)"),
-    "unscale_": ("not needed: tx.update unscales before the optimizer it wraps runs, so a clip inside it sees "
-                 "unscaled gradients: jamp.scaler(optax.clip_by_global_norm(1.0), optax.adam(1e-3))"),
+    "step": (
+        "updates, opt_state = tx.update(grads, opt_state, params), then optax.apply_updates(params, updates): "
+        "it unscales, checks for inf/NaN, steps or skips and moves the scale (step and update in one call)"
+    ),
+    "unscale_": (
+        "not needed: tx.update unscales before the optimizer it wraps runs, so a clip inside it sees "
+        "unscaled gradients: jamp.scaler(optax.clip_by_global_norm(1.0), optax.adam(1e-3))"
+    ),
     "get_scale": "jamp.get_scale(opt_state)",
     "is_enabled": "jamp.state_dict(opt_state) != {}",
     "state_dict": "jamp.state_dict(opt_state)",
     "load_state_dict": "opt_state = jamp.load_state_dict(opt_state, sd)",
-    **{f"get_{name}": f"jamp.state_dict(opt_state)[{name!r}]"
-       for name in ("growth_factor", "backoff_factor", "growth_interval")},
-    **{f"set_{name}": f"opt_state = jamp.load_state_dict(opt_state, {{**jamp.state_dict(opt_state), {name!r}: value}})"
-       for name in ("growth_factor", "backoff_factor", "growth_interval")},
+    **{
+        f"get_{name}": f"jamp.state_dict(opt_state)[{name!r}]"
+        for name in ("growth_factor", "backoff_factor", "growth_interval")
+    },
+    **{
+        f"set_{name}": f"opt_state = jamp.load_state_dict(opt_state, {{**jamp.state_dict(opt_state), {name!r}: value}})"
+        for name in ("growth_factor", "backoff_factor", "growth_interval")
+    },
 }
 
 
@@ -129,6 +170,9 @@ class ScalerTransformation(optax.GradientTransformationExtraArgs):
 
     def __getattr__(self, name: str):
         hint = SCALER_METHODS.get(name)
-        message = (f"jamp.scaler(...).{name}: torch's scaler.{name} is {hint}" if hint
-                   else f"{type(self).__name__!r} object has no attribute {name!r}")
+        message = (
+            f"jamp.scaler(...).{name}: torch's scaler.{name} is {hint}"
+            if hint
+            else f"{type(self).__name__!r} object has no attribute {name!r}"
+        )
         raise AttributeError(message, name=name, obj=self)

@@ -29,7 +29,7 @@ jc.hide_from_source_info(__file__)  # an attention call points to the model's li
 
 
 class _Cuda(NamedTuple):
-    cudnn: int                   # 91000 for cuDNN 9.10
+    cudnn: int  # 91000 for cuDNN 9.10
     capability: tuple[int, int]  # (9, 0) for an H100
 
 
@@ -48,8 +48,16 @@ def _as_4d(shape: tuple) -> tuple:
     return (1,) * (4 - len(shape)) + tuple(shape)
 
 
-def cudnn_refusal(query, key, value, bias=None, mask=None, *, is_causal: bool = False,
-                  local_window_size: int | tuple[int, int] | None = None) -> str | None:
+def cudnn_refusal(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    is_causal: bool = False,
+    local_window_size: int | tuple[int, int] | None = None,
+) -> str | None:
     """Why cuDNN's flash attention would refuse this call, or None if it runs it: the conditions
     ``jax.nn.dot_product_attention(implementation="cudnn")`` checks (``check_layout``,
     ``check_is_flash_attention``) for float16/bfloat16 inputs, read off the arguments' shapes and dtypes.
@@ -107,13 +115,22 @@ def dot_product_attention(
     ``implementation`` is passed on as given. Outside autocast the call runs on the dtypes it is given.
     """
     if implementation is None:
-        refused = cudnn_refusal(query, key, value, bias, mask, is_causal=is_causal,
-                                local_window_size=local_window_size)
+        refused = cudnn_refusal(query, key, value, bias, mask, is_causal=is_causal, local_window_size=local_window_size)
         implementation = "xla" if refused else "cudnn"
     return jax.nn.dot_product_attention(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
-        implementation=implementation, return_residual=return_residual)
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        implementation=implementation,
+        return_residual=return_residual,
+    )
 
 
 def _refuse(condition: bool, message: str) -> None:
@@ -162,14 +179,21 @@ def flax_dot_product_attention(
     implementations compute the softmax in float32.
     """
     del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
-    _refuse(dropout_rate > 0 and not deterministic,
-            f"dropout_rate={dropout_rate} with deterministic=False asks for dropout on the attention weights, "
-            "which fused attention never forms; use dropout_rate=0 (or deterministic=True), or flax's "
-            "dot_product_attention")
-    _refuse(module is not None, "sowing the attention weights (module=, sow_weights=True) needs the weights, which "
-                                "fused attention never forms")
-    for name, value_ in (("einsum_dot_general", einsum_dot_general), ("qk_attn_weights_einsum", qk_attn_weights_einsum),
-                         ("attn_weights_value_einsum", attn_weights_value_einsum)):
+    _refuse(
+        dropout_rate > 0 and not deterministic,
+        f"dropout_rate={dropout_rate} with deterministic=False asks for dropout on the attention weights, "
+        "which fused attention never forms; use dropout_rate=0 (or deterministic=True), or flax's "
+        "dot_product_attention",
+    )
+    _refuse(
+        module is not None,
+        "sowing the attention weights (module=, sow_weights=True) needs the weights, which fused attention never forms",
+    )
+    for name, value_ in (
+        ("einsum_dot_general", einsum_dot_general),
+        ("qk_attn_weights_einsum", qk_attn_weights_einsum),
+        ("attn_weights_value_einsum", attn_weights_value_einsum),
+    ):
         _refuse(value_ is not None, f"{name} replaces an einsum that fused attention does not have; pass None")
     dtype = jnp.result_type(query, key, value) if dtype is None else dtype
     query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
@@ -182,10 +206,17 @@ def flax_dot_product_attention(
     return jnp.reshape(out, shape[:-1] + out.shape[-1:])
 
 
-def equinox_multihead_attention(attention: Any, query: jax.Array, key_: jax.Array, value: jax.Array,
-                                mask: jax.Array | None = None, *, key: jax.Array | None = None,
-                                inference: bool | None = None,
-                                process_heads: Callable | None = None) -> jax.Array:
+def equinox_multihead_attention(
+    attention: Any,
+    query: jax.Array,
+    key_: jax.Array,
+    value: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    key: jax.Array | None = None,
+    inference: bool | None = None,
+    process_heads: Callable | None = None,
+) -> jax.Array:
     """``attention(query, key_, value, mask)`` for an ``equinox.nn.MultiheadAttention``, with its heads
     computed by :func:`dot_product_attention` (Equinox's module has no ``attention_fn`` to swap).
 
@@ -197,12 +228,15 @@ def equinox_multihead_attention(attention: Any, query: jax.Array, key_: jax.Arra
     """
     del key
     inference = attention.dropout.inference if inference is None else inference
-    _refuse(attention.dropout.p > 0 and not inference,
-            f"the module's dropout (p={attention.dropout.p}) acts on the attention weights, which fused attention "
-            "never forms; call it with inference=True, or call the module itself")
-    heads = [jax.vmap(proj)(x).reshape(x.shape[0], attention.num_heads, -1)
-             for proj, x in ((attention.query_proj, query), (attention.key_proj, key_),
-                             (attention.value_proj, value))]
+    _refuse(
+        attention.dropout.p > 0 and not inference,
+        f"the module's dropout (p={attention.dropout.p}) acts on the attention weights, which fused attention "
+        "never forms; call it with inference=True, or call the module itself",
+    )
+    heads = [
+        jax.vmap(proj)(x).reshape(x.shape[0], attention.num_heads, -1)
+        for proj, x in ((attention.query_proj, query), (attention.key_proj, key_), (attention.value_proj, value))
+    ]
     if process_heads is not None:
         shapes = [h.shape for h in heads]
         heads = list(process_heads(*heads))

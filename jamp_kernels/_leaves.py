@@ -47,8 +47,10 @@ def inv_scale_pair(inv_scale: Any) -> jax.Array:
     NaN that such a factor makes of every gradient.
     """
     if not _is_real(inv_scale):
-        raise TypeError(f"inv_scale must be a real number or a real array (a scalar or a [factor, power_of_two] "
-                        f"pair), got {inv_scale!r} of type {type(inv_scale).__name__}")
+        raise TypeError(
+            f"inv_scale must be a real number or a real array (a scalar or a [factor, power_of_two] "
+            f"pair), got {inv_scale!r} of type {type(inv_scale).__name__}"
+        )
     inv = jnp.asarray(inv_scale, jnp.float32)
     if inv.size == 1:
         inv = jnp.stack([inv.reshape(()), jnp.float32(1.0)])

@@ -73,8 +73,9 @@ def _unscale_and_check(inv: jax.Array, work: list, *, backend: str, donate: bool
     return outs, found
 
 
-def unscale_and_check(grads: Any, inv_scale: Any, *, backend: str = "auto",
-                      donate: bool = False) -> tuple[Any, jax.Array]:
+def unscale_and_check(
+    grads: Any, inv_scale: Any, *, backend: str = "auto", donate: bool = False
+) -> tuple[Any, jax.Array]:
     """Return ``(unscaled_grads, found_inf)``, torch's ``_amp_foreach_non_finite_check_and_unscale_``.
 
     ``inv_scale`` is a scalar or a ``[factor, power_of_two]`` pair from :func:`inverse` (which keeps the

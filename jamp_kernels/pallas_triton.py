@@ -15,7 +15,8 @@ GPU path of ``pallas_call`` is Hopper-only, so ``CompilerParams`` from ``pallas.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -88,9 +89,11 @@ def _leaf_program(span: _Span, x_ref, o_ref, inv, pid) -> jax.Array:
     if span.size % span.block == 0:
         return _leaf_block(span, x_ref, o_ref, inv, pid, masked=False)
     last = span.first + span.blocks - 1
-    return lax.cond(pid == last,
-                    lambda: _leaf_block(span, x_ref, o_ref, inv, pid, masked=True),
-                    lambda: _leaf_block(span, x_ref, o_ref, inv, pid, masked=False))
+    return lax.cond(
+        pid == last,
+        lambda: _leaf_block(span, x_ref, o_ref, inv, pid, masked=True),
+        lambda: _leaf_block(span, x_ref, o_ref, inv, pid, masked=False),
+    )
 
 
 def _select_leaf(pid, spans, x_refs, o_refs, inv) -> jax.Array:
@@ -98,14 +101,16 @@ def _select_leaf(pid, spans, x_refs, o_refs, inv) -> jax.Array:
     if len(spans) == 1:
         return _leaf_program(spans[0], x_refs[0], o_refs[0], inv, pid)
     mid = len(spans) // 2
-    return lax.cond(pid < spans[mid].first,
-                    lambda: _select_leaf(pid, spans[:mid], x_refs[:mid], o_refs[:mid], inv),
-                    lambda: _select_leaf(pid, spans[mid:], x_refs[mid:], o_refs[mid:], inv))
+    return lax.cond(
+        pid < spans[mid].first,
+        lambda: _select_leaf(pid, spans[:mid], x_refs[:mid], o_refs[:mid], inv),
+        lambda: _select_leaf(pid, spans[mid:], x_refs[mid:], o_refs[mid:], inv),
+    )
 
 
 def _unscale_kernel(inv_ref, *refs, spans: tuple[_Span, ...]):
     n = len(spans)
-    x_refs, o_refs, flag_ref = refs[:n], refs[n:2 * n], refs[2 * n]
+    x_refs, o_refs, flag_ref = refs[:n], refs[n : 2 * n], refs[2 * n]
     flag_ref[0] = _select_leaf(pl.program_id(0), spans, x_refs, o_refs, (inv_ref[0], inv_ref[1]))
 
 
@@ -127,12 +132,18 @@ def _launch(leaves: Sequence[jax.Array], inv: jax.Array | None, *, interpret: bo
     programs = spans[-1].first + spans[-1].blocks
     flags = _out_struct((programs,), jnp.int32, flat)
     flag_spec = pl.BlockSpec((1,), lambda b: (b,))
-    params = dict(grid=(programs,), compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-                  interpret=interpret)
+    params = dict(
+        grid=(programs,), compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1), interpret=interpret
+    )
     if inv is None:
-        flag_out = pl.pallas_call(functools.partial(_check_kernel, spans=spans), out_shape=flags,
-                                  in_specs=[_WHOLE] * len(spans), out_specs=flag_spec,
-                                  name="jamp_check", **params)(*flat)
+        flag_out = pl.pallas_call(
+            functools.partial(_check_kernel, spans=spans),
+            out_shape=flags,
+            in_specs=[_WHOLE] * len(spans),
+            out_specs=flag_spec,
+            name="jamp_check",
+            **params,
+        )(*flat)
         return [], jnp.max(flag_out) > 0
     *outs, flag_out = pl.pallas_call(
         functools.partial(_unscale_kernel, spans=spans),
@@ -140,24 +151,28 @@ def _launch(leaves: Sequence[jax.Array], inv: jax.Array | None, *, interpret: bo
         in_specs=[pl.BlockSpec((2,), lambda b: (0,))] + [_WHOLE] * len(spans),
         out_specs=[_WHOLE] * len(spans) + [flag_spec],
         input_output_aliases={1 + i: i for i in range(len(flat))} if donate else {},
-        name="jamp_unscale_and_check", **params,
+        name="jamp_unscale_and_check",
+        **params,
     )(inv, *flat)
     return [_leaves.from_bits(o, g.dtype).reshape(g.shape) for o, g in zip(outs, leaves)], jnp.max(flag_out) > 0
 
 
-def _grouped(leaves: Sequence[jax.Array], inv: jax.Array | None, *, interpret: bool,
-             donate: bool) -> tuple[list[jax.Array], jax.Array]:
+def _grouped(
+    leaves: Sequence[jax.Array], inv: jax.Array | None, *, interpret: bool, donate: bool
+) -> tuple[list[jax.Array], jax.Array]:
     outs, flags = [], []
     for start in range(0, len(leaves), MAX_LEAVES_PER_CALL):
-        group_outs, group_flag = _launch(leaves[start:start + MAX_LEAVES_PER_CALL], inv,
-                                         interpret=interpret, donate=donate)
+        group_outs, group_flag = _launch(
+            leaves[start : start + MAX_LEAVES_PER_CALL], inv, interpret=interpret, donate=donate
+        )
         outs += group_outs
         flags.append(group_flag)
     return outs, functools.reduce(jnp.logical_or, flags)
 
 
-def unscale_and_check(inv: jax.Array, leaves: Sequence[jax.Array], *, interpret: bool = False,
-                      donate: bool = False) -> tuple[list[jax.Array], jax.Array]:
+def unscale_and_check(
+    inv: jax.Array, leaves: Sequence[jax.Array], *, interpret: bool = False, donate: bool = False
+) -> tuple[list[jax.Array], jax.Array]:
     """Unscale non-empty floating ``leaves`` by the float32 ``[factor, power_of_two]`` pair ``inv``; return
     them and ``found_inf``.
 

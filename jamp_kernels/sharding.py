@@ -12,7 +12,7 @@ feed it. Both paths below keep every shard on its device and OR the scalar flag 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 from jax import lax
@@ -49,8 +49,13 @@ def _shard_map(fn: LeafFn, inv: jax.Array | None, leaves: list, writes: bool) ->
     def local(*operands):
         return _mesh_or(fn, mesh, *_split_operands(inv, operands))
 
-    *outs, found = jax.shard_map(local, mesh=mesh, in_specs=(*(P() for _ in head), *specs),
-                                 out_specs=(*(specs if writes else ()), P()), check_vma=False)(*head, *leaves)
+    *outs, found = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(*(P() for _ in head), *specs),
+        out_specs=(*(specs if writes else ()), P()),
+        check_vma=False,
+    )(*head, *leaves)
     return outs, found
 
 
@@ -78,7 +83,7 @@ def _custom_partitioned(fn: LeafFn, inv: jax.Array | None, leaves: list, writes:
                 return replicated
             return a.sharding
 
-        specs = [even(a) for a in arg_shapes[len(head):]]
+        specs = [even(a) for a in arg_shapes[len(head) :]]
         return (*(specs if writes else ()), replicated), (*(replicated for _ in head), *specs)
 
     def partition(mesh, arg_shapes, result_shape):
@@ -88,10 +93,13 @@ def _custom_partitioned(fn: LeafFn, inv: jax.Array | None, leaves: list, writes:
         return (mesh, lower, *shardings(mesh, arg_shapes))
 
     dims = [tuple(f"leaf{i}_dim{d}" for d in range(g.ndim)) for i, g in enumerate(leaves)]
-    op.def_partition(partition=partition,
-                     infer_sharding_from_operands=lambda mesh, args, result: shardings(mesh, args)[0],
-                     sharding_rule=SdyShardingRule(operand_mappings=(*(("inv_pair",) for _ in head), *dims),
-                                                   result_mappings=(*(dims if writes else ()), ())))
+    op.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=lambda mesh, args, result: shardings(mesh, args)[0],
+        sharding_rule=SdyShardingRule(
+            operand_mappings=(*(("inv_pair",) for _ in head), *dims), result_mappings=(*(dims if writes else ()), ())
+        ),
+    )
 
     # custom_partitioning has no batching rule; under vmap, batch the plain kernel (pallas_call has one).
     batchable = jax.custom_batching.custom_vmap(op)

@@ -27,8 +27,9 @@ def unscale(grads: Any, inv_scale: Any) -> Any:
     type and round once to its dtype."""
     leaves, treedef = _leaves.flatten(grads)
     inv = _leaves.inv_scale_pair(inv_scale)
-    return jax.tree.unflatten(treedef, [_leaves.scale(g, inv[0], inv[1]) if _leaves.is_scaled(g) else g
-                                        for g in leaves])
+    return jax.tree.unflatten(
+        treedef, [_leaves.scale(g, inv[0], inv[1]) if _leaves.is_scaled(g) else g for g in leaves]
+    )
 
 
 def _view_length(size: int) -> int:
@@ -63,8 +64,15 @@ def _folded(leaves: list[jax.Array]) -> jax.Array:
     for g in leaves:
         cut = views(g)
         same_length[cut[0].size, g.dtype].extend(cut)
-    return jnp.any(jnp.stack([_loop_flag(vs[i:i + VIEWS_PER_LOOP])
-                              for vs in same_length.values() for i in range(0, len(vs), VIEWS_PER_LOOP)]))
+    return jnp.any(
+        jnp.stack(
+            [
+                _loop_flag(vs[i : i + VIEWS_PER_LOOP])
+                for vs in same_length.values()
+                for i in range(0, len(vs), VIEWS_PER_LOOP)
+            ]
+        )
+    )
 
 
 def _reduced(leaves: list[jax.Array]) -> jax.Array:

@@ -31,13 +31,16 @@ def pytest_terminal_summary(terminalreporter):
     """Print the coverage sweep's pass rate (tests/test_sweep.py)."""
     stats = terminalreporter.stats
     outcome_of = {"passed": "passed", "failed": "failed", "xfailed": "known limitation"}
-    counts = {label: sum("test_sweep.py::test_sweep[" in r.nodeid for r in stats.get(key, []) if r.when == "call")
-              for key, label in outcome_of.items()}
+    counts = {
+        label: sum("test_sweep.py::test_sweep[" in r.nodeid for r in stats.get(key, []) if r.when == "call")
+        for key, label in outcome_of.items()
+    }
     total = sum(counts.values())
     if total:
         terminalreporter.write_line(
             f"autocast coverage sweep: {counts['passed']}/{total} cases pass ({100 * counts['passed'] / total:.1f}%), "
-            f"{counts['failed']} failed, {counts['known limitation']} known limitations")
+            f"{counts['failed']} failed, {counts['known limitation']} known limitations"
+        )
 
 
 @pytest.fixture(params=["select_where_produced", "select_after"])

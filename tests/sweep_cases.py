@@ -23,8 +23,10 @@ LABELS = jnp.array([1, 0, 7, 3])
 
 
 def _unary(domain, names, module=jnp, **kw):
-    return [(f"{module.__name__.split('.')[-1]}.{n}", p(getattr(module, n), **kw) if kw else getattr(module, n),
-             domain, 1) for n in names.split()]
+    return [
+        (f"{module.__name__.split('.')[-1]}.{n}", p(getattr(module, n), **kw) if kw else getattr(module, n), domain, 1)
+        for n in names.split()
+    ]
 
 
 def _binary(domain, names, module=jnp):
@@ -40,6 +42,7 @@ def _pool(kind):
     def pool(x):
         init, op = {"max": (-jnp.inf, lax.max), "sum": (0.0, lax.add)}[kind]
         return lax.reduce_window(x, jnp.asarray(init, x.dtype), op, (2, 2), (1, 1), "VALID")
+
     return pool
 
 
@@ -52,17 +55,21 @@ def _while(x):
 
 
 def _conv(x):
-    return lax.conv_general_dilated(x[None, :, :, None], jnp.ones((2, 2, 1, 3)), (1, 1), "SAME",
-                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return lax.conv_general_dilated(
+        x[None, :, :, None], jnp.ones((2, 2, 1, 3)), (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
 
 
 CASES = [
     # ---- jax.numpy elementwise ------------------------------------------------------------------
-    *_unary("real", "abs absolute negative positive sign floor ceil round rint trunc square cbrt "
-                    "sin cos tan sinh cosh tanh arcsinh arctan deg2rad rad2deg degrees radians sinc "
-                    "exp exp2 expm1 signbit isfinite isnan isinf isposinf isneginf logical_not conj real "
-                    "imag angle nan_to_num fabs spacing i0 ones_like zeros_like empty_like copy "
-                    "iscomplex isreal"),
+    *_unary(
+        "real",
+        "abs absolute negative positive sign floor ceil round rint trunc square cbrt "
+        "sin cos tan sinh cosh tanh arcsinh arctan deg2rad rad2deg degrees radians sinc "
+        "exp exp2 expm1 signbit isfinite isnan isinf isposinf isneginf logical_not conj real "
+        "imag angle nan_to_num fabs spacing i0 ones_like zeros_like empty_like copy "
+        "iscomplex isreal",
+    ),
     *_unary("pos", "sqrt log log2 log10 log1p reciprocal"),
     *_unary("unit", "arcsin arccos arctanh"),
     *_unary("gt1", "arccosh"),
@@ -70,7 +77,7 @@ CASES = [
     ("jnp.modf", lambda x: jnp.modf(x), "real", 1),
     ("jnp.float_power2", lambda x: jnp.float_power(x, 2), "real", 1),
     ("jnp.power_scalar", lambda x: jnp.power(x, 3), "real", 1),
-    ("jnp.power_frac", lambda x: x ** 1.7, "pos", 1),
+    ("jnp.power_frac", lambda x: x**1.7, "pos", 1),
     ("jnp.ldexp", lambda x: jnp.ldexp(x, 2), "real", 1),
     ("jnp.clip", lambda x: jnp.clip(x, -0.5, 0.5), "real", 1),
     ("jnp.heaviside", lambda x: jnp.heaviside(x, 0.5), "real", 1),
@@ -79,9 +86,12 @@ CASES = [
     ("jnp.astype_int", lambda x: (x * 10).astype(jnp.int32), "real", 1),
     ("jnp.astype_bool", lambda x: x.astype(bool), "real", 1),
     ("jnp.nan_to_num_inf", lambda x: jnp.nan_to_num(x / (x - x)), "real", 1),
-    *_binary("real", "add subtract multiply maximum minimum fmax fmin arctan2 hypot copysign nextafter "
-                     "logaddexp logaddexp2 greater greater_equal less less_equal equal not_equal "
-                     "logical_and logical_or logical_xor heaviside isclose"),
+    *_binary(
+        "real",
+        "add subtract multiply maximum minimum fmax fmin arctan2 hypot copysign nextafter "
+        "logaddexp logaddexp2 greater greater_equal less less_equal equal not_equal "
+        "logical_and logical_or logical_xor heaviside isclose",
+    ),
     *_binary("pos", "divide true_divide floor_divide remainder mod fmod power float_power"),
     ("jnp.divmod", jnp.divmod, "pos", 2),
     ("jnp.where", lambda x, y: jnp.where(x > y, x, y), "real", 2),
@@ -89,9 +99,12 @@ CASES = [
     ("jnp.polyval", lambda x: jnp.polyval(jnp.array([0.5, -1.0, 2.0]), x), "real", 1),
     ("jnp.interp", lambda x: jnp.interp(x, jnp.linspace(-2, 2, 5), jnp.arange(5.0)), "real", 1),
     # ---- jax.numpy reductions and scans ---------------------------------------------------------
-    *_unary("real", "sum prod mean std var max min amax amin argmax argmin nansum nanmean nanstd nanvar "
-                    "nanmax nanmin nanprod ptp median nanmedian average count_nonzero all any cumsum "
-                    "cumprod nancumsum nancumprod trace diagonal diff ediff1d sort argsort"),
+    *_unary(
+        "real",
+        "sum prod mean std var max min amax amin argmax argmin nansum nanmean nanstd nanvar "
+        "nanmax nanmin nanprod ptp median nanmedian average count_nonzero all any cumsum "
+        "cumprod nancumsum nancumprod trace diagonal diff ediff1d sort argsort",
+    ),
     ("jnp.sum_axis", p(jnp.sum, axis=1), "real", 1),
     ("jnp.mean_axis_keepdims", p(jnp.mean, axis=0, keepdims=True), "real", 1),
     ("jnp.var_ddof", p(jnp.var, axis=1, ddof=1), "real", 1),
@@ -119,8 +132,7 @@ CASES = [
     ("jnp.allclose", lambda x: jnp.allclose(x, x), "real", 1),
     ("jnp.array_equal", lambda x: jnp.array_equal(x, x), "real", 1),
     # ---- jax.numpy shape and indexing -----------------------------------------------------------
-    *_unary("real", "flip fliplr flipud rot90 transpose ravel squeeze atleast_1d atleast_2d atleast_3d "
-                    "tril triu"),
+    *_unary("real", "flip fliplr flipud rot90 transpose ravel squeeze atleast_1d atleast_2d atleast_3d tril triu"),
     ("jnp.roll", lambda x: jnp.roll(x, 2, axis=1), "real", 1),
     ("jnp.swapaxes", lambda x: jnp.swapaxes(x, 0, 1), "real", 1),
     ("jnp.moveaxis", lambda x: jnp.moveaxis(x, 0, 1), "real", 1),
@@ -209,12 +221,24 @@ CASES = [
     ("linalg.tensorsolve", lambda x: jnp.linalg.tensorsolve(_sq(x), x[:, 0]), "real", 1),
     ("linalg.trace", lambda x: jnp.linalg.trace(_sq(x)), "real", 1),
     ("linalg.outer", lambda x, y: jnp.linalg.outer(x[0], y[0]), "real", 2),
-    ("scipy.linalg.solve_triangular", lambda x: jax.scipy.linalg.solve_triangular(
-        jnp.linalg.cholesky(_sq(x)), x[:, :2], lower=True), "real", 1),
-    ("scipy.linalg.cho_solve", lambda x: jax.scipy.linalg.cho_solve(
-        jax.scipy.linalg.cho_factor(_sq(x)), x[:, :2]), "real", 1),
-    ("scipy.linalg.lu_solve", lambda x: jax.scipy.linalg.lu_solve(jax.scipy.linalg.lu_factor(_sq(x)), x[:, :2]),
-     "real", 1),
+    (
+        "scipy.linalg.solve_triangular",
+        lambda x: jax.scipy.linalg.solve_triangular(jnp.linalg.cholesky(_sq(x)), x[:, :2], lower=True),
+        "real",
+        1,
+    ),
+    (
+        "scipy.linalg.cho_solve",
+        lambda x: jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(_sq(x)), x[:, :2]),
+        "real",
+        1,
+    ),
+    (
+        "scipy.linalg.lu_solve",
+        lambda x: jax.scipy.linalg.lu_solve(jax.scipy.linalg.lu_factor(_sq(x)), x[:, :2]),
+        "real",
+        1,
+    ),
     ("scipy.linalg.expm", lambda x: jax.scipy.linalg.expm(_sq(x) / 8), "real", 1),
     ("scipy.linalg.lu", lambda x: jax.scipy.linalg.lu(_sq(x))[2], "real", 1),
     ("scipy.linalg.det", lambda x: jax.scipy.linalg.det(_sq(x)), "real", 1),
@@ -231,22 +255,35 @@ CASES = [
     ("fft.fftshift", jnp.fft.fftshift, "real", 1),
     ("fft.ifftshift", jnp.fft.ifftshift, "real", 1),
     # ---- jax.nn ---------------------------------------------------------------------------------
-    *_unary("real", "relu relu6 sigmoid softplus soft_sign silu swish log_sigmoid leaky_relu hard_sigmoid "
-                    "hard_silu hard_swish hard_tanh elu celu selu gelu glu logsumexp log_softmax softmax "
-                    "standardize tanh sparse_plus sparse_sigmoid squareplus mish identity", module=jax.nn),
+    *_unary(
+        "real",
+        "relu relu6 sigmoid softplus soft_sign silu swish log_sigmoid leaky_relu hard_sigmoid "
+        "hard_silu hard_swish hard_tanh elu celu selu gelu glu logsumexp log_softmax softmax "
+        "standardize tanh sparse_plus sparse_sigmoid squareplus mish identity",
+        module=jax.nn,
+    ),
     ("nn.gelu_exact", p(jax.nn.gelu, approximate=False), "real", 1),
     ("nn.softmax_axis0", p(jax.nn.softmax, axis=0), "real", 1),
     ("nn.log_softmax_where", lambda x: jax.nn.log_softmax(x, where=x > -1.0), "real", 1),
     ("nn.logsumexp_b", lambda x: jax.nn.logsumexp(x, axis=1, b=0.5), "real", 1),
     ("nn.one_hot", lambda x: jax.nn.one_hot(jnp.argmax(x, axis=1), 8), "real", 1),
-    ("nn.dot_product_attention", lambda x, y: jax.nn.dot_product_attention(
-        x.reshape(1, 4, 2, 4), y.reshape(1, 4, 2, 4), y.reshape(1, 4, 2, 4)), "real", 2),
-    ("nn.dot_product_attention_causal", lambda x: jax.nn.dot_product_attention(
-        x.reshape(1, 4, 2, 4), x.reshape(1, 4, 2, 4), x.reshape(1, 4, 2, 4), is_causal=True), "real", 1),
+    (
+        "nn.dot_product_attention",
+        lambda x, y: jax.nn.dot_product_attention(x.reshape(1, 4, 2, 4), y.reshape(1, 4, 2, 4), y.reshape(1, 4, 2, 4)),
+        "real",
+        2,
+    ),
+    (
+        "nn.dot_product_attention_causal",
+        lambda x: jax.nn.dot_product_attention(
+            x.reshape(1, 4, 2, 4), x.reshape(1, 4, 2, 4), x.reshape(1, 4, 2, 4), is_causal=True
+        ),
+        "real",
+        1,
+    ),
     ("nn.normalize", lambda x: jax.nn.standardize(x, axis=0), "real", 1),
     # ---- jax.scipy.special ----------------------------------------------------------------------
-    *_unary("real", "erf erfc expit ndtr log_ndtr i0 i0e i1 i1e logsumexp softmax log_softmax entr",
-            module=jss),
+    *_unary("real", "erf erfc expit ndtr log_ndtr i0 i0e i1 i1e logsumexp softmax log_softmax entr", module=jss),
     *_unary("pos", "gammaln digamma gamma expi exp1 spence", module=jss),
     *_unary("unit", "erfinv", module=jss),
     *_unary("prob", "logit ndtri", module=jss),
@@ -259,8 +296,12 @@ CASES = [
     ("special.poch", lambda x: jss.poch(x, 2.0), "pos", 1),
     ("special.logsumexp_return_sign", lambda x: jss.logsumexp(x, axis=1, return_sign=True), "real", 1),
     # ---- jax.lax --------------------------------------------------------------------------------
-    *_unary("real", "abs neg sign floor ceil round is_finite exp exp2 expm1 tanh logistic sin cos tan atan "
-                    "asinh square cbrt erf erfc lgamma digamma bessel_i0e bessel_i1e stop_gradient", module=lax),
+    *_unary(
+        "real",
+        "abs neg sign floor ceil round is_finite exp exp2 expm1 tanh logistic sin cos tan atan "
+        "asinh square cbrt erf erfc lgamma digamma bessel_i0e bessel_i1e stop_gradient",
+        module=lax,
+    ),
     *_unary("pos", "sqrt rsqrt log log1p", module=lax),
     *_unary("unit", "asin acos atanh erf_inv", module=lax),
     *_binary("real", "add sub mul max min atan2 nextafter eq ne lt le gt ge", module=lax),
@@ -274,8 +315,14 @@ CASES = [
     ("lax.dot_general", lambda x, y: lax.dot_general(x, y, (((1,), (1,)), ((), ()))), "real", 2),
     ("lax.batch_matmul", lambda x, y: lax.batch_matmul(x[None], y[None].transpose(0, 2, 1)), "real", 2),
     ("lax.conv", _conv, "real", 1),
-    ("lax.conv_transpose", lambda x: lax.conv_transpose(x[None, :, :, None], jnp.ones((2, 2, 1, 2)), (1, 1),
-                                                        "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")), "real", 1),
+    (
+        "lax.conv_transpose",
+        lambda x: lax.conv_transpose(
+            x[None, :, :, None], jnp.ones((2, 2, 1, 2)), (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        ),
+        "real",
+        1,
+    ),
     ("lax.reduce_window_max", _pool("max"), "real", 1),
     ("lax.reduce_window_sum", _pool("sum"), "real", 1),
     ("lax.reduce_window_generic", lambda x: lax.reduce_window(x, 1.0, lax.mul, (2, 2), (1, 1), "VALID"), "pos", 1),
@@ -312,39 +359,84 @@ CASES = [
     ("lax.switch", lambda x: lax.switch(1, [jnp.sin, jnp.cos, jnp.tanh], x), "real", 1),
     ("lax.select_cond_mixed", lambda x, y: lax.cond(True, lambda a, b: a * b, lambda a, b: a + b, x, y), "real", 2),
     ("lax.associative_scan", lambda x: lax.associative_scan(jnp.add, x, axis=1), "real", 1),
-    ("lax.custom_root", lambda x: lax.custom_root(lambda z: z * z - jnp.abs(x) - 1.0, jnp.ones_like(x),
-                                                   lambda f, z0: lax.fori_loop(0, 20, lambda i, z: z - f(z) / (2 * z), z0),
-                                                   lambda g, y: y / 2.0), "real", 1),
-    ("lax.custom_linear_solve", lambda x: lax.custom_linear_solve(lambda v: 2.0 * v, x, lambda mv, b: b / 2.0), "real", 1),
+    (
+        "lax.custom_root",
+        lambda x: lax.custom_root(
+            lambda z: z * z - jnp.abs(x) - 1.0,
+            jnp.ones_like(x),
+            lambda f, z0: lax.fori_loop(0, 20, lambda i, z: z - f(z) / (2 * z), z0),
+            lambda g, y: y / 2.0,
+        ),
+        "real",
+        1,
+    ),
+    (
+        "lax.custom_linear_solve",
+        lambda x: lax.custom_linear_solve(lambda v: 2.0 * v, x, lambda mv, b: b / 2.0),
+        "real",
+        1,
+    ),
     ("lax.optimization_barrier", lambda x: lax.optimization_barrier(x) * 2, "real", 1),
     ("checkpoint", lambda x: jax.checkpoint(lambda v: jnp.sin(v) * v)(x), "real", 1),
     ("jit_nested", lambda x: jax.jit(lambda v: jnp.tanh(v) @ v.T)(x), "real", 1),
     ("vmap_inner", lambda x: jax.vmap(jnp.dot)(x, x), "real", 1),
-    ("pure_callback", lambda x: jax.pure_callback(lambda v: v * 2, jax.ShapeDtypeStruct(x.shape, jnp.float32),
-                                                  x.astype(jnp.float32)), "real", 1),
+    (
+        "pure_callback",
+        lambda x: jax.pure_callback(lambda v: v * 2, jax.ShapeDtypeStruct(x.shape, jnp.float32), x.astype(jnp.float32)),
+        "real",
+        1,
+    ),
     # ---- image ----------------------------------------------------------------------------------
     ("image.resize_bilinear", lambda x: jax.image.resize(x, (8, 16), "bilinear"), "real", 1),
     ("image.resize_nearest", lambda x: jax.image.resize(x, (8, 16), "nearest"), "real", 1),
-    ("image.scale_and_translate", lambda x: jax.image.scale_and_translate(
-        x, (8, 8), (0, 1), jnp.array([2.0, 1.0]), jnp.array([0.0, 0.0]), "linear"), "real", 1),
+    (
+        "image.scale_and_translate",
+        lambda x: jax.image.scale_and_translate(
+            x, (8, 8), (0, 1), jnp.array([2.0, 1.0]), jnp.array([0.0, 0.0]), "linear"
+        ),
+        "real",
+        1,
+    ),
     # ---- optax losses ---------------------------------------------------------------------------
-    *_binary("real", "l2_loss squared_error huber_loss log_cosh cosine_similarity cosine_distance "
-                     "softmax_cross_entropy sigmoid_binary_cross_entropy safe_softmax_cross_entropy "
-                     "convex_kl_divergence kl_divergence_with_log_targets", module=optax.losses),
+    *_binary(
+        "real",
+        "l2_loss squared_error huber_loss log_cosh cosine_similarity cosine_distance "
+        "softmax_cross_entropy sigmoid_binary_cross_entropy safe_softmax_cross_entropy "
+        "convex_kl_divergence kl_divergence_with_log_targets",
+        module=optax.losses,
+    ),
     ("optax.l1_like_absolute_error", lambda x, y: optax.losses.huber_loss(x, y, delta=0.1), "real", 2),
-    ("optax.softmax_cross_entropy_with_integer_labels",
-     lambda x: optax.losses.softmax_cross_entropy_with_integer_labels(x, LABELS), "real", 1),
-    ("optax.kl_divergence", lambda x, y: optax.losses.kl_divergence(jax.nn.log_softmax(x), jax.nn.softmax(y)), "real", 2),
+    (
+        "optax.softmax_cross_entropy_with_integer_labels",
+        lambda x: optax.losses.softmax_cross_entropy_with_integer_labels(x, LABELS),
+        "real",
+        1,
+    ),
+    (
+        "optax.kl_divergence",
+        lambda x, y: optax.losses.kl_divergence(jax.nn.log_softmax(x), jax.nn.softmax(y)),
+        "real",
+        2,
+    ),
     ("optax.sigmoid_focal_loss", lambda x, y: optax.losses.sigmoid_focal_loss(x, jax.nn.sigmoid(y)), "real", 2),
     ("optax.hinge_loss", lambda x, y: optax.losses.hinge_loss(x, jnp.sign(y)), "real", 2),
     ("optax.multiclass_hinge_loss", lambda x: optax.losses.multiclass_hinge_loss(x, LABELS), "real", 1),
     ("optax.multiclass_perceptron_loss", lambda x: optax.losses.multiclass_perceptron_loss(x, LABELS), "real", 1),
     ("optax.perceptron_loss", lambda x, y: optax.losses.perceptron_loss(x, jnp.sign(y)), "real", 2),
-    ("optax.poly_loss_cross_entropy", lambda x, y: optax.losses.poly_loss_cross_entropy(x, jax.nn.softmax(y)), "real", 2),
+    (
+        "optax.poly_loss_cross_entropy",
+        lambda x, y: optax.losses.poly_loss_cross_entropy(x, jax.nn.softmax(y)),
+        "real",
+        2,
+    ),
     ("optax.sparsemax_loss", lambda x: optax.losses.sparsemax_loss(x, (x > 0).astype(jnp.int32)), "real", 1),
     ("optax.smooth_labels", lambda x: optax.smooth_labels(jax.nn.softmax(x), 0.1), "real", 1),
-    ("optax.ctc_loss", lambda x: optax.losses.ctc_loss(x[None], jnp.zeros((1, 4)), jnp.array([[1, 2]]),
-                                                        jnp.zeros((1, 2))), "real", 1),
+    (
+        "optax.ctc_loss",
+        lambda x: optax.losses.ctc_loss(x[None], jnp.zeros((1, 4)), jnp.array([[1, 2]]), jnp.zeros((1, 2))),
+        "real",
+        1,
+    ),
     ("optax.ranking_softmax_loss", lambda x, y: optax.losses.ranking_softmax_loss(x, jax.nn.relu(y)), "real", 2),
     ("optax.triplet_margin_loss", lambda x, y: optax.losses.triplet_margin_loss(x, y, -y), "real", 2),
     ("optax.ntxent", lambda x: optax.losses.ntxent(x, jnp.array([0, 0, 1, 1])), "real", 1),

@@ -146,8 +146,13 @@ def _relative_error(value, reference) -> float:
     return float(np.linalg.norm((value - reference).ravel()) / np.linalg.norm(reference.ravel()))
 
 
-PARAMS = [(case, policy, mode) for mode in COMPILE_MODES for case in CASES for policy in POLICIES
-          if (case, POLICIES[policy][1]) not in NO_YARDSTICK]
+PARAMS = [
+    (case, policy, mode)
+    for mode in COMPILE_MODES
+    for case in CASES
+    for policy in POLICIES
+    if (case, POLICIES[policy][1]) not in NO_YARDSTICK
+]
 
 
 @pytest.mark.parametrize("case, policy, mode", PARAMS)
@@ -160,7 +165,8 @@ def test_autocast_is_as_accurate_as_casting_by_hand(case, policy, mode):
         assert np.isfinite(error), f"{case} under {policy} ({mode} flags): {what} is not finite"
         assert error <= FACTOR * yardstick + FLOOR[dtype], (
             f"{case} under the {policy} policy, {mode} flags: {what} is {error:.2e} away from float32, the same "
-            f"program on inputs cast by hand to {dtype} {yardstick:.2e}")
+            f"program on inputs cast by hand to {dtype} {yardstick:.2e}"
+        )
 
 
 def _bounded_below_losses(w, b, x, labels):
@@ -172,7 +178,8 @@ def _bounded_below_losses(w, b, x, labels):
     label_logit = jnp.take_along_axis(logits, labels[:, None], -1)[:, 0]
     return {
         "optax.softmax_cross_entropy_with_integer_labels": optax.softmax_cross_entropy_with_integer_labels(
-            logits, labels),
+            logits, labels
+        ),
         "optax.softmax_cross_entropy": optax.softmax_cross_entropy(logits, targets),
         "-log_softmax at the label": -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], -1)[:, 0],
         "logsumexp - label logit": jax.nn.logsumexp(logits, -1) - label_logit,
@@ -201,6 +208,7 @@ def _evaluate_bounded_below(amp, form: str, args: tuple) -> dict:
     if form == "call":  # autocast's own executable
         return amp(*args)
     if form == "jit(value_and_grad)":  # the per-example losses of a differentiated step (autocast's replay)
+
         def loss(*a):
             losses = amp(*a)
             return sum(v.mean() for v in losses.values()), losses
@@ -222,8 +230,11 @@ def test_losses_bounded_below_stay_bounded_per_example(form, policy, classifier)
     log-sum-exp once skipped its rounding while the gathered label logit kept it.)"""
     args = _classifier(*CLASSIFIERS[classifier])
     losses = _evaluate_bounded_below(jamp.autocast(_bounded_below_losses, **POLICIES[policy][0]), form, args)
-    negative = {name: f"{int((v < 0).sum())} of {v.size}, min {float(v.min()):.3g}"
-                for name, v in losses.items() if not (np.asarray(v) >= 0).all()}
+    negative = {
+        name: f"{int((v < 0).sum())} of {v.size}, min {float(v.min()):.3g}"
+        for name, v in losses.items()
+        if not (np.asarray(v) >= 0).all()
+    }
     assert not negative, f"negative per-example losses under the {policy} policy ({form}): {negative}"
 
 
@@ -278,11 +289,20 @@ def test_every_sum_of_a_training_step_accumulates_in_float32(policy):
     closed = jax.make_jaxpr(step)(params, x, jnp.zeros((2, 16), jnp.int32))
     summing = {"reduce_sum", "cumsum", "reduce_window_sum", "reduce_prod"}
     # JAX's derivative of reduce_max counts the tied maxima (a sum of converted bools: exact to 256 ties)
-    counts = {e.outvars[0] for e in eqns(closed) if e.primitive.name == "convert_element_type"
-              and e.invars[0].aval.dtype == jnp.bool_}
-    low_sums = [e for e in eqns(closed) if e.primitive.name in summing and e.invars[0].aval.dtype in LOW_DTYPES
-                and e.invars[0] not in counts and not all(isinstance(v, jcore.DropVar) for v in e.outvars)
-                and e.invars[0].aval.size > e.outvars[0].aval.size]  # a size-1 axis sums nothing
+    counts = {
+        e.outvars[0]
+        for e in eqns(closed)
+        if e.primitive.name == "convert_element_type" and e.invars[0].aval.dtype == jnp.bool_
+    }
+    low_sums = [
+        e
+        for e in eqns(closed)
+        if e.primitive.name in summing
+        and e.invars[0].aval.dtype in LOW_DTYPES
+        and e.invars[0] not in counts
+        and not all(isinstance(v, jcore.DropVar) for v in e.outvars)
+        and e.invars[0].aval.size > e.outvars[0].aval.size
+    ]  # a size-1 axis sums nothing
     assert not low_sums, "\n".join(str(e) for e in low_sums)
     # and the step has sums to check: the bias and gate gradients, the losses' and the norms' sums
     assert sum(e.primitive.name == "reduce_sum" for e in eqns(closed)) > 10

@@ -32,7 +32,7 @@ def test_call_forms():
 
 
 def test_outputs_keep_declared_dtypes_unless_policy_says_otherwise():
-    f = lambda w, x: x @ w  # noqa: E731
+    f = lambda w, x: x @ w
     assert jamp.autocast(f, dtype="bf16")(W, X).dtype == jnp.float32
     policy = jamp.get_policy("p=f32,c=bf16,o=bf16")
     assert jamp.autocast(f, policy=policy)(W, X).dtype == jnp.bfloat16
@@ -201,10 +201,16 @@ def test_non_callable(bad):
         jamp.autocast(bad)
 
 
-@pytest.mark.parametrize("bad,match", [
-    ("p=f32,x=bf16", "cannot parse"), ("c=f64", "allowed"), ("c=float32", "no mixed precision"),
-    ("compute=int8", "allowed"), (42, "policy must be"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ("p=f32,x=bf16", "cannot parse"),
+        ("c=f64", "allowed"),
+        ("c=float32", "no mixed precision"),
+        ("compute=int8", "allowed"),
+        (42, "policy must be"),
+    ],
+)
 def test_bad_policy(bad, match):
     with pytest.raises((ValueError, TypeError), match=match):
         jamp.autocast(lambda x: x, policy=bad)
@@ -217,13 +223,21 @@ def test_bad_region_mode_and_category():
         jamp.get_policy("gpu").with_categories({"exp": "sometimes"})
 
 
-@pytest.mark.parametrize("spec,device,compute,output", [
-    ("gpu", "gpu", F16, None), ("cuda", "gpu", F16, None), ("cpu", "cpu", BF16, None), ("tpu", "tpu", BF16, None),
-    ("mixed_float16", "gpu", F16, None), ("mixed_bfloat16", "cpu", BF16, None), ("bf16", "cpu", BF16, None),
-    ("p=f32,c=bf16,o=f32", "cpu", BF16, F32), ("params=float32,compute=float16,output=float16,device=gpu",
-                                                 "gpu", F16, F16),
-    ("compute=bf16, d=tpu", "tpu", BF16, None),
-])
+@pytest.mark.parametrize(
+    "spec,device,compute,output",
+    [
+        ("gpu", "gpu", F16, None),
+        ("cuda", "gpu", F16, None),
+        ("cpu", "cpu", BF16, None),
+        ("tpu", "tpu", BF16, None),
+        ("mixed_float16", "gpu", F16, None),
+        ("mixed_bfloat16", "cpu", BF16, None),
+        ("bf16", "cpu", BF16, None),
+        ("p=f32,c=bf16,o=f32", "cpu", BF16, F32),
+        ("params=float32,compute=float16,output=float16,device=gpu", "gpu", F16, F16),
+        ("compute=bf16, d=tpu", "tpu", BF16, None),
+    ],
+)
 def test_policy_strings(spec, device, compute, output):
     p = jamp.get_policy(spec)
     assert (p.device_type, str(p.compute_dtype), getattr(p.output_dtype, "name", None)) == (device, compute, output)
@@ -241,12 +255,15 @@ def test_policy_is_a_valid_jit_static_argument_and_casts_trees():
 def test_creates_no_arrays_and_no_backend_at_import_or_construction():
     from helpers import run_subprocess
 
-    out = run_subprocess("""
+    out = run_subprocess(
+        """
         import jax, jax._src.xla_bridge as xb, optax
         import jamp
         g = jamp.autocast(lambda x: x * 2)
         tx = jamp.scaler(optax.adam(1e-3), init_scale=3.0, growth_factor=1.1, backoff_factor=0.3)
         policy = jamp.get_policy("p=f32,c=bf16,o=f32,d=gpu")
         print(len(xb._backends))
-    """, devices=1)
+    """,
+        devices=1,
+    )
     assert out.strip() == "0"

@@ -65,7 +65,7 @@ def test_linear_bias_add_stays_in_compute_dtype():
     adds = dtypes_of(jamp.autocast(lambda x, w: x @ w + x, dtype="bf16"), X, W, primitive="add")
     assert adds == [(F32, F32, F32)]
     # the matmul's result rearranged before the bias comes (Equinox's Linear under vmap is w @ x, transposed)
-    rearranged = lambda x, w, b: (w.T @ x.T).T.reshape(X.shape[0], 1, -1).squeeze(1) + b  # noqa: E731
+    rearranged = lambda x, w, b: (w.T @ x.T).T.reshape(X.shape[0], 1, -1).squeeze(1) + b
     assert dtypes_of(jamp.autocast(rearranged, dtype="bf16"), X, W, B, primitive="add") == [(BF16, BF16, BF16)]
     np.testing.assert_allclose(jamp.autocast(rearranged, dtype="bf16")(X, W, B), linear(X, W, B), rtol=0.02, atol=0.02)
 
@@ -76,15 +76,27 @@ def test_conv_bias_from_flax_stays_in_compute_dtype():
     conv = nn.Conv(4, (3, 3))
     x = jnp.ones((2, 8, 8, 3))
     params = conv.init(KEY, x)
-    assert dtypes_of(jamp.autocast(conv.apply, dtype="bf16"), params, x, primitive="conv_general_dilated")[0][-1] == BF16
+    assert (
+        dtypes_of(jamp.autocast(conv.apply, dtype="bf16"), params, x, primitive="conv_general_dilated")[0][-1] == BF16
+    )
     assert dtypes_of(jamp.autocast(conv.apply, dtype="bf16"), params, x, primitive="add") == [(BF16,) * 3]
 
 
-@pytest.mark.parametrize("fn,prim", [
-    (jnp.exp, "exp"), (jnp.log, "log"), (jnp.log1p, "log1p"), (jnp.expm1, "expm1"),
-    (lambda x: x ** 3.5, "pow"), (jax.lax.rsqrt, "rsqrt"),
-    (jnp.sum, "reduce_sum"), (lambda x: jnp.cumsum(x, 0), "cumsum"), (jnp.sinh, "sinh"), (jnp.square, "square"),
-])
+@pytest.mark.parametrize(
+    "fn,prim",
+    [
+        (jnp.exp, "exp"),
+        (jnp.log, "log"),
+        (jnp.log1p, "log1p"),
+        (jnp.expm1, "expm1"),
+        (lambda x: x**3.5, "pow"),
+        (jax.lax.rsqrt, "rsqrt"),
+        (jnp.sum, "reduce_sum"),
+        (lambda x: jnp.cumsum(x, 0), "cumsum"),
+        (jnp.sinh, "sinh"),
+        (jnp.square, "square"),
+    ],
+)
 def test_float32_list_on_gpu_passthrough_on_cpu(fn, prim):
     def f(x, w):
         return fn(jnp.abs(x @ w) + 1.0)
@@ -94,15 +106,16 @@ def test_float32_list_on_gpu_passthrough_on_cpu(fn, prim):
 
 
 def test_integer_powers_keep_the_input_dtype_so_gelu_stays_low():
-    f = lambda x, w: jax.nn.gelu(x @ w) ** 2  # noqa: E731
+    f = lambda x, w: jax.nn.gelu(x @ w) ** 2
     for device_type, low in (("gpu", F16), ("cpu", BF16)):
-        assert {d[-1] for d in dtypes_of(jamp.autocast(f, device_type=device_type), X, W,
-                                         primitive="integer_pow")} == {low}
+        assert {d[-1] for d in dtypes_of(jamp.autocast(f, device_type=device_type), X, W, primitive="integer_pow")} == {
+            low
+        }
         assert last_dtype(f, X, W, primitive="tanh", device_type=device_type) == low
 
 
 def test_scalar_literal_that_does_not_fit_the_low_dtype_promotes():
-    f = lambda w, h: (h @ w) * 1e5  # noqa: E731
+    f = lambda w, h: (h @ w) * 1e5
     h = jnp.full((4, 4), 1e-3)
     with warnings.catch_warnings():  # deciding that 1e5 overflows float16 is not worth a RuntimeWarning
         warnings.simplefilter("error")
@@ -113,7 +126,7 @@ def test_scalar_literal_that_does_not_fit_the_low_dtype_promotes():
 
 
 def test_stop_gradient_keeps_softmax_in_the_input_dtype_on_cpu():
-    f = lambda x, w: jax.nn.softmax(x @ w)  # noqa: E731
+    f = lambda x, w: jax.nn.softmax(x @ w)
     assert last_dtype(f, X, W, primitive="exp", device_type="cpu") == BF16
 
 
@@ -122,21 +135,21 @@ def test_nnx_layernorm_without_a_scope_does_not_overflow_on_gpu():
 
     norm = nnx.LayerNorm(4, rngs=nnx.Rngs(0))
     x = jnp.array([[-300.0, 300.0, 300.0, 300.0]])
-    f = lambda m, x: m(x @ jnp.eye(4))  # noqa: E731
+    f = lambda m, x: m(x @ jnp.eye(4))
     np.testing.assert_allclose(jamp.autocast(f, device_type="gpu")(norm, x), f(norm, x), rtol=1e-2, atol=1e-2)
 
 
 def test_prod_is_float32_on_both_lists():
-    f = lambda x, w: jnp.prod(x @ w, axis=0)  # noqa: E731
+    f = lambda x, w: jnp.prod(x @ w, axis=0)
     assert last_dtype(f, X, W, primitive="reduce_prod", device_type="gpu") == F32
     assert last_dtype(f, X, W, primitive="reduce_prod", device_type="cpu") == F32
 
 
 def test_softmax_and_log_softmax_results_are_float32_on_gpu():
     assert out_dtype(lambda x, w: jax.nn.softmax(x @ w), X, W, policy=jamp.get_policy("p=f32,c=f16,o=f16,d=gpu")) == F16
-    f = lambda x, w: jax.nn.softmax(x @ w)  # noqa: E731
+    f = lambda x, w: jax.nn.softmax(x @ w)
     assert last_dtype(f, X, W, primitive="div", device_type="gpu") == F32
-    g = lambda x, w: jax.nn.log_softmax(x @ w)  # noqa: E731
+    g = lambda x, w: jax.nn.log_softmax(x @ w)
     assert last_dtype(g, X, W, primitive="sub", device_type="gpu") == F32
     assert last_dtype(g, X, W, primitive="sub", device_type="cpu") == F32  # loss building block
 
@@ -146,15 +159,17 @@ def test_elementwise_unlisted_ops_keep_low_precision():
         h = x @ w
         return jnp.tanh(h) * jax.nn.sigmoid(h) + jnp.sqrt(jnp.abs(h))
 
-    ops = {e.primitive.name: str(e.outvars[0].aval.dtype)
-           for e in eqns(jax.make_jaxpr(jamp.autocast(f, dtype="bf16"))(X, W))}
+    ops = {
+        e.primitive.name: str(e.outvars[0].aval.dtype)
+        for e in eqns(jax.make_jaxpr(jamp.autocast(f, dtype="bf16"))(X, W))
+    }
     assert ops["tanh"] == ops["logistic"] == ops["sqrt"] == ops["mul"] == ops["add"] == BF16
 
 
 def test_relu_and_gelu_keep_low_precision():
-    f = lambda x, w: jax.nn.relu(x @ w)  # noqa: E731
+    f = lambda x, w: jax.nn.relu(x @ w)
     assert last_dtype(f, X, W, primitive="max", dtype="bf16") == BF16
-    g = lambda x, w: jax.nn.gelu(x @ w, approximate=False)  # noqa: E731
+    g = lambda x, w: jax.nn.gelu(x @ w, approximate=False)
     assert last_dtype(g, X, W, primitive="erfc", dtype="bf16") == BF16
 
 
@@ -174,8 +189,9 @@ def test_float16_with_bfloat16_promotes_to_float32():
     def f(a, b):
         return a + b
 
-    assert dtypes_of(jamp.autocast(f, dtype="bf16"), X.astype(jnp.float16), X.astype(jnp.bfloat16),
-                     primitive="add") == [(F32, F32, F32)]
+    assert dtypes_of(
+        jamp.autocast(f, dtype="bf16"), X.astype(jnp.float16), X.astype(jnp.bfloat16), primitive="add"
+    ) == [(F32, F32, F32)]
 
 
 def test_concatenate_promotes_to_widest():
@@ -189,17 +205,23 @@ def test_explicit_user_cast_is_kept():
     def f(x, w):
         return (x @ w).astype(jnp.float32) @ w.astype(jnp.bfloat16).astype(jnp.float32)
 
-    converts = [str(e.params["new_dtype"]) for e in eqns(jax.make_jaxpr(jamp.autocast(f, dtype="f16"))(X, W))
-                if e.primitive.name == "convert_element_type"]
+    converts = [
+        str(e.params["new_dtype"])
+        for e in eqns(jax.make_jaxpr(jamp.autocast(f, dtype="f16"))(X, W))
+        if e.primitive.name == "convert_element_type"
+    ]
     assert "bfloat16" in converts  # the user's bf16 rounding survives
     assert dtypes_of(jamp.autocast(f, dtype="f16"), X, W) == [(F16,) * 3] * 2
 
 
-@pytest.mark.parametrize("args", [
-    (jnp.arange(12, dtype=jnp.int32).reshape(3, 4), jnp.ones((4, 2), jnp.int32)),
-    (jnp.ones((3, 4), jnp.int8), jnp.ones((4, 2), jnp.int8)),
-    (jnp.ones((3, 4), jnp.complex64), jnp.ones((4, 2), jnp.complex64)),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        (jnp.arange(12, dtype=jnp.int32).reshape(3, 4), jnp.ones((4, 2), jnp.int32)),
+        (jnp.ones((3, 4), jnp.int8), jnp.ones((4, 2), jnp.int8)),
+        (jnp.ones((3, 4), jnp.complex64), jnp.ones((4, 2), jnp.complex64)),
+    ],
+)
 def test_ineligible_inputs_are_never_cast(args):
     recorded = dtypes_of(jnp.matmul, *args)
     assert dtypes_of(jamp.autocast(jnp.matmul, dtype="bf16"), *args) == recorded
@@ -218,7 +240,8 @@ def test_bools_ints_and_prng_keys_pass_through():
 
 
 def test_float64_is_never_cast():
-    out = run_subprocess("""
+    out = run_subprocess(
+        """
         import jax, jax.numpy as jnp, jamp
         from helpers import dtypes_of
         x = jnp.ones((3, 4), jnp.float64); w = jnp.ones((4, 4), jnp.float64)
@@ -227,19 +250,31 @@ def test_float64_is_never_cast():
         print(jamp.autocast(f, dtype="bf16")(x, w).dtype, jamp.autocast(f, dtype="bf16")(x, w))
         mixed = lambda x, w: x.astype(jnp.float32) @ w.astype(jnp.float32) + (x @ w).astype(jnp.float32)
         print(dtypes_of(jamp.autocast(mixed, dtype="bf16"), x, w))
-    """, devices=1, env={"JAX_ENABLE_X64": "1", "PYTHONPATH": "tests"})
+    """,
+        devices=1,
+        env={"JAX_ENABLE_X64": "1", "PYTHONPATH": "tests"},
+    )
     lines = out.strip().splitlines()
     assert lines[0] == "[('float64', 'float64', 'float64')]"
     assert lines[1].startswith("float64 ") and "inf" not in lines[1]
     assert lines[2] == "[('bfloat16', 'bfloat16', 'bfloat16'), ('float64', 'float64', 'float64')]"
 
 
-@pytest.mark.parametrize("fn", [
-    lambda a: jnp.linalg.inv(a), lambda a: jnp.linalg.solve(a, a[:, :1]), lambda a: jnp.linalg.cholesky(a),
-    lambda a: jnp.linalg.eigh(a)[0], lambda a: jnp.linalg.svd(a)[1], lambda a: jnp.linalg.qr(a)[1],
-    lambda a: jnp.linalg.det(a), lambda a: jnp.linalg.pinv(a), lambda a: jnp.fft.rfft(a).real,
-    lambda a: jax.scipy.linalg.solve_triangular(a, a[:, :1], lower=True),
-])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda a: jnp.linalg.inv(a),
+        lambda a: jnp.linalg.solve(a, a[:, :1]),
+        lambda a: jnp.linalg.cholesky(a),
+        lambda a: jnp.linalg.eigh(a)[0],
+        lambda a: jnp.linalg.svd(a)[1],
+        lambda a: jnp.linalg.qr(a)[1],
+        lambda a: jnp.linalg.det(a),
+        lambda a: jnp.linalg.pinv(a),
+        lambda a: jnp.fft.rfft(a).real,
+        lambda a: jax.scipy.linalg.solve_triangular(a, a[:, :1], lower=True),
+    ],
+)
 @pytest.mark.parametrize("device_type", ["gpu", "cpu"])
 def test_linear_algebra_runs_in_float32(fn, device_type):
     a = W @ W.T + 8 * jnp.eye(8)
@@ -250,8 +285,12 @@ def test_linear_algebra_runs_in_float32(fn, device_type):
 
     x = jnp.ones((8, 8)) * 0.1
     closed = jax.make_jaxpr(jamp.autocast(f, device_type=device_type))(x, a)
-    linalg_eqns = [e for e in eqns(closed) if e.primitive.name in
-                   ("lu", "cholesky", "eigh", "svd", "qr", "householder_product", "geqrf", "triangular_solve", "fft")]
+    linalg_eqns = [
+        e
+        for e in eqns(closed)
+        if e.primitive.name
+        in ("lu", "cholesky", "eigh", "svd", "qr", "householder_product", "geqrf", "triangular_solve", "fft")
+    ]
     assert linalg_eqns
     assert all(str(v.aval.dtype) in (F32, "complex64") for e in linalg_eqns for v in e.invars)
     result = jamp.autocast(f, device_type=device_type)(x, a)
@@ -265,9 +304,11 @@ def test_cast_cache_casts_a_weight_once():
     cached = count(jamp.autocast(f, dtype="bf16"), W, X, primitive="convert_element_type")
     uncached = count(jamp.autocast(f, dtype="bf16", cache_enabled=False), W, X, primitive="convert_element_type")
     assert cached < uncached
-    w_casts = lambda fn: sum(  # noqa: E731
+    w_casts = lambda fn: sum(
         e.primitive.name == "convert_element_type" and e.invars[0] is closed.jaxpr.invars[0]
-        for closed in [jax.make_jaxpr(fn)(W, X)] for e in closed.jaxpr.eqns)
+        for closed in [jax.make_jaxpr(fn)(W, X)]
+        for e in closed.jaxpr.eqns
+    )
     assert w_casts(jamp.autocast(f, dtype="bf16")) == 1
     assert w_casts(jamp.autocast(f, dtype="bf16", cache_enabled=False)) == 2
 

@@ -65,14 +65,18 @@ def _nested_f16(w, x):
     return jamp.autocast(lambda x: x @ w, dtype=jnp.float16)(x) @ w
 
 
-@pytest.mark.parametrize("with_form,nested_form,forward", [
-    (_with_off, _nested_off, [(BF16,) * 3, (F32,) * 3, (BF16,) * 3]),
-    (_with_f16, _nested_f16, [(F16,) * 3, (BF16,) * 3]),
-], ids=["enabled=False", "dtype=float16"])
+@pytest.mark.parametrize(
+    "with_form,nested_form,forward",
+    [
+        (_with_off, _nested_off, [(BF16,) * 3, (F32,) * 3, (BF16,) * 3]),
+        (_with_f16, _nested_f16, [(F16,) * 3, (BF16,) * 3]),
+    ],
+    ids=["enabled=False", "dtype=float16"],
+)
 def test_with_block_marks_the_region_as_the_nested_call_does(with_form, nested_form, forward):
     amp = jamp.autocast(with_form, dtype="bf16")
     assert dtypes_of(amp, W, X) == forward == dtypes_of(jamp.autocast(nested_form, dtype="bf16"), W, X)
-    loss = lambda f: jax.grad(lambda w, x: jamp.autocast(f, dtype="bf16")(w, x).sum())  # noqa: E731
+    loss = lambda f: jax.grad(lambda w, x: jamp.autocast(f, dtype="bf16")(w, x).sum())
     backward = dtypes_of(loss(with_form), W, X)
     assert backward == dtypes_of(loss(nested_form), W, X)
     assert sorted(set(backward)) == sorted(set(forward))  # the backward ops of a region keep its dtype
@@ -87,6 +91,7 @@ def test_with_block_holds_inside_jit_and_can_be_reused():
         def inner(h):
             with off:
                 return h.astype(jnp.float32) @ w
+
         with off:
             g = x @ w
         return inner(x @ w) @ w + g
@@ -104,8 +109,14 @@ def test_with_block_outside_autocast():
     np.testing.assert_array_equal(jax.jit(model)(W, X), X @ W)
     np.testing.assert_array_equal(jamp.autocast(model, enabled=False)(W, X), X @ W)
     # turning autocast on needs the function: the message shows the form to write
-    with pytest.raises(RuntimeError, match=r"jamp.autocast\(fn, device_type='gpu'\)\(\*args\).*"
-                                           r"@jamp.autocast\(device_type='gpu'\)"), jamp.autocast(device_type="gpu"):
+    with (
+        pytest.raises(
+            RuntimeError,
+            match=r"jamp.autocast\(fn, device_type='gpu'\)\(\*args\).*"
+            r"@jamp.autocast\(device_type='gpu'\)",
+        ),
+        jamp.autocast(device_type="gpu"),
+    ):
         pass
     with pytest.raises(RuntimeError, match=r"jamp.autocast\(fn, dtype=jnp.float16\)"):
         jax.jit(_with_f16)(W, X)  # a jit is not an autocast
@@ -119,13 +130,14 @@ def test_nested_region_inside_jit_and_scan():
     def f(w, x):
         def body(c, _):
             return jnp.tanh(off(c, w)) @ w, None
+
         return jax.jit(lambda x: jax.lax.scan(body, x, None, length=2)[0])(x).sum()
 
     assert sorted(dtypes_of(jamp.autocast(f, dtype="bf16"), W, X)) == [(BF16,) * 3, (F32,) * 3]
 
 
 def test_top_level_enabled_false_is_the_function_itself():
-    f = lambda w, x: x @ w  # noqa: E731
+    f = lambda w, x: x @ w
     assert dtypes_of(jamp.autocast(f, enabled=False), W, X) == dtypes_of(f, W, X)
     np.testing.assert_array_equal(jamp.autocast(f, enabled=False)(W, X), f(W, X))
 
@@ -160,7 +172,7 @@ def test_jit_name_rule():
         return h @ w
 
     policy = jamp.get_policy("cpu").with_rules({"my_head": "float32"})
-    f = lambda w, x: my_head(x @ w, w)  # noqa: E731
+    f = lambda w, x: my_head(x @ w, w)
     assert dtypes_of(jamp.autocast(f, policy=policy), W, X) == [(BF16,) * 3, (F32,) * 3]
 
 
@@ -173,8 +185,10 @@ def test_compute_and_native_modes():
     assert dtypes_of(jamp.autocast(f, policy=compute), W, X, primitive="exp")[0][-1] == F16
     # the sum's result is float16; it accumulates in float32 (the bound primitive's dtypes)
     (row,) = [r for r in jamp.explain(f, policy=compute)(W, X).rows if r.primitive == "reduce_sum"]
-    assert row.out_dtypes == (F16,) and dtypes_of(jamp.autocast(f, policy=compute), W, X,
-                                                  primitive="reduce_sum") == [(F32, F32)]
+    assert row.out_dtypes == (F16,) and dtypes_of(jamp.autocast(f, policy=compute), W, X, primitive="reduce_sum") == [
+        (F32, F32)
+    ]
+
     def g(w, x):
         h = x @ w
         with jax.named_scope("sm"):
@@ -195,8 +209,11 @@ def test_builtin_gpu_rules_keep_flax_layernorm_in_float32():
 
     params = Block().init(jax.random.key(0), X)
     closed = jax.make_jaxpr(jamp.autocast(Block().apply, device_type="gpu"))(params, X)
-    norm_ops = [e for e in eqns(closed) if "LayerNorm" in str(e.source_info.name_stack)
-                and e.primitive.name in ("mul", "sub", "add", "rsqrt")]
+    norm_ops = [
+        e
+        for e in eqns(closed)
+        if "LayerNorm" in str(e.source_info.name_stack) and e.primitive.name in ("mul", "sub", "add", "rsqrt")
+    ]
     assert norm_ops and all(str(e.outvars[0].aval.dtype) == F32 for e in norm_ops)
     assert dtypes_of(jamp.autocast(Block().apply, device_type="gpu"), params, X) == [(F16,) * 3] * 2
 

@@ -28,6 +28,7 @@ def _scan_model(w, x):
     def body(c, _):
         h = jnp.tanh(c @ w)
         return h, h.sum()
+
     c, ys = jax.lax.scan(body, x, None, length=3)
     return c.sum() + ys.sum()
 
@@ -92,9 +93,16 @@ def _custom_jvp_model(w, x):
     return _scaled_tanh(x @ w).sum()
 
 
-MODELS = {"scan": _scan_model, "fori": _fori_model, "cond": _cond_model, "switch": _switch_model,
-          "jit": _jit_model, "remat": _remat_model, "custom_vjp": _custom_vjp_model,
-          "custom_jvp": _custom_jvp_model}
+MODELS = {
+    "scan": _scan_model,
+    "fori": _fori_model,
+    "cond": _cond_model,
+    "switch": _switch_model,
+    "jit": _jit_model,
+    "remat": _remat_model,
+    "custom_vjp": _custom_vjp_model,
+    "custom_jvp": _custom_jvp_model,
+}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -106,8 +114,11 @@ def test_forward_matmuls_low_inside_higher_order_primitives(name):
 @pytest.mark.parametrize("order", ["grad_of_autocast", "autocast_of_grad"])
 def test_backward_matmuls_low_and_grads_in_param_dtype(name, order):
     f = MODELS[name]
-    g = jax.grad(jamp.autocast(f, dtype="bf16")) if order == "grad_of_autocast" else \
-        jamp.autocast(jax.grad(f), dtype="bf16")
+    g = (
+        jax.grad(jamp.autocast(f, dtype="bf16"))
+        if order == "grad_of_autocast"
+        else jamp.autocast(jax.grad(f), dtype="bf16")
+    )
     all_dots_low(g, W, X)
     grad = g(W, X)
     ref = jax.grad(f)(W, X)
@@ -129,8 +140,9 @@ def test_loop_carries_and_branch_outputs_keep_their_dtypes():
         original = jax.make_jaxpr(MODELS[name])(W, X)
         hops = [e for e in eqns(closed) if e.primitive.name in ("scan", "while", "cond")]
         orig_hops = [e for e in eqns(original) if e.primitive.name in ("scan", "while", "cond")]
-        assert [[v.aval.dtype for v in e.outvars] for e in hops] == \
-               [[v.aval.dtype for v in e.outvars] for e in orig_hops]
+        assert [[v.aval.dtype for v in e.outvars] for e in hops] == [
+            [v.aval.dtype for v in e.outvars] for e in orig_hops
+        ]
 
 
 def test_custom_rules_are_the_ones_that_differentiate():
@@ -166,7 +178,7 @@ def test_custom_vjp_backward_logs_come_through():
 
 
 def test_relu_custom_jvp_keeps_low_precision_activations():
-    f = lambda w, x: jax.nn.relu(x @ w) @ w  # noqa: E731
+    f = lambda w, x: jax.nn.relu(x @ w) @ w
     all_dots_low(jamp.autocast(f, dtype="bf16"), W, X)
     maxes = dtypes_of(jamp.autocast(f, dtype="bf16"), W, X, primitive="max")
     assert maxes and all(m[-1] == BF16 for m in maxes)
@@ -175,23 +187,26 @@ def test_relu_custom_jvp_keeps_low_precision_activations():
 @pytest.mark.parametrize("order", ["outside", "inside"])
 def test_vmap(order):
     xs = jnp.stack([X, -X, 2 * X])
-    f = lambda w, x: jnp.tanh(x @ w).sum()  # noqa: E731
-    g = jax.vmap(jamp.autocast(f, dtype="bf16"), (None, 0)) if order == "outside" else \
-        jamp.autocast(jax.vmap(f, (None, 0)), dtype="bf16")
+    f = lambda w, x: jnp.tanh(x @ w).sum()
+    g = (
+        jax.vmap(jamp.autocast(f, dtype="bf16"), (None, 0))
+        if order == "outside"
+        else jamp.autocast(jax.vmap(f, (None, 0)), dtype="bf16")
+    )
     all_dots_low(g, W, xs)
     np.testing.assert_allclose(g(W, xs), jax.vmap(f, (None, 0))(W, xs), rtol=0.03)
 
 
 @pytest.mark.parametrize("order", ["outside", "inside"])
 def test_jit(order):
-    f = lambda w, x: jnp.tanh(x @ w).sum()  # noqa: E731
+    f = lambda w, x: jnp.tanh(x @ w).sum()
     g = jax.jit(jamp.autocast(f, dtype="bf16")) if order == "outside" else jamp.autocast(jax.jit(f), dtype="bf16")
     all_dots_low(g, W, X)
     np.testing.assert_allclose(g(W, X), f(W, X), rtol=0.03)
 
 
 def test_value_and_grad_jacfwd_jacrev_hessian():
-    f = lambda w, x: jnp.tanh(x @ w).sum()  # noqa: E731
+    f = lambda w, x: jnp.tanh(x @ w).sum()
     a = jamp.autocast(f, dtype="bf16")
     v, g = jax.value_and_grad(a)(W, X)
     assert v.dtype == g.dtype == jnp.float32
@@ -206,8 +221,9 @@ def test_pallas_call_runs_opaque_with_recorded_dtypes():
     def kernel(x_ref, o_ref):
         o_ref[...] = x_ref[...] * 2.0
 
-    double = functools.partial(pl.pallas_call, kernel, out_shape=jax.ShapeDtypeStruct((4, 8), jnp.float32),
-                               interpret=True)()
+    double = functools.partial(
+        pl.pallas_call, kernel, out_shape=jax.ShapeDtypeStruct((4, 8), jnp.float32), interpret=True
+    )()
 
     def f(w, x):
         return double(x @ w).sum()
@@ -224,6 +240,7 @@ def test_remat_policy_and_checkpoint_name_survive():
     def f(w, x):
         def layer(c):
             return jnp.tanh(checkpoint_name(c @ w, "h"))
+
         return jax.checkpoint(layer, policy=jax.checkpoint_policies.save_only_these_names("h"))(x).sum()
 
     closed = jax.make_jaxpr(jax.grad(jamp.autocast(f, dtype="bf16")))(W, X)
@@ -270,19 +287,24 @@ def _literal_vjp(w, x, s):
     return (s * (x @ w), *_literals())
 
 
-_literal_vjp.defvjp(lambda w, x, s: (_literal_vjp(w, x, s), (w, x, s)),
-                    lambda r, ct: (r[2] * r[1].T @ ct[0], r[2] * ct[0] @ r[0].T, jnp.array(0.25, jnp.float32)))
+_literal_vjp.defvjp(
+    lambda w, x, s: (_literal_vjp(w, x, s), (w, x, s)),
+    lambda r, ct: (r[2] * r[1].T @ ct[0], r[2] * ct[0] @ r[0].T, jnp.array(0.25, jnp.float32)),
+)
 
 
 LITERAL_MODELS = {
     "output": lambda w, x: (x @ w, *_literals()),
     "operand": lambda w, x: jax.lax.select_n(jnp.array(True), x, x @ w),
-    "cond": lambda w, x: jax.lax.cond(x.sum() > 0, lambda x: (x @ w, *_literals()),
-                                      lambda x: (x, *_other_literals()), x),
-    "scan": lambda w, x: jax.lax.scan(lambda c, _: ((c[0] @ w, *_literals()), _literals()),
-                                      (x, *_other_literals()), None, length=2),
-    "while": lambda w, x: jax.lax.while_loop(lambda c: c[1], lambda c: (c[0] @ w, *_literals()),
-                                             (x, *_other_literals())),
+    "cond": lambda w, x: jax.lax.cond(
+        x.sum() > 0, lambda x: (x @ w, *_literals()), lambda x: (x, *_other_literals()), x
+    ),
+    "scan": lambda w, x: jax.lax.scan(
+        lambda c, _: ((c[0] @ w, *_literals()), _literals()), (x, *_other_literals()), None, length=2
+    ),
+    "while": lambda w, x: jax.lax.while_loop(
+        lambda c: c[1], lambda c: (c[0] @ w, *_literals()), (x, *_other_literals())
+    ),
     "jit": lambda w, x: jax.jit(lambda x: (x @ w, *_literals()))(x),
     "remat": lambda w, x: jax.checkpoint(lambda x: (x @ w, *_literals()))(x),
     "custom_jvp": _literal_jvp,

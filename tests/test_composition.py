@@ -40,6 +40,7 @@ def _custom_vjp_of(f):
     g.defvjp(lambda w, x: (f(w, x), (w, x)), lambda r, ct: jax.tree.map(lambda d: ct * d, jax.grad(f, (0, 1))(*r)))
     return g
 
+
 # name -> transformation of a function f(w, x) -> scalar, returning a function of (w, x).
 TRANSFORMS = {
     "jit": jax.jit,
@@ -51,20 +52,25 @@ TRANSFORMS = {
     "vmap": lambda f: lambda w, x: jax.vmap(f, (None, 0))(w, jnp.stack([x, 2 * x])),
     "scan": lambda f: lambda w, x: jax.lax.scan(lambda c, _: (c + f(w, x), None), 0.0, None, length=2)[0],
     "fori_loop": lambda f: lambda w, x: jax.lax.fori_loop(0, 2, lambda i, c: c + f(w, x * i), 0.0),
-    "while_loop": lambda f: lambda w, x: jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] + f(w, x)),
-                                                            (0, 0.0))[1],
+    "while_loop": lambda f: (
+        lambda w, x: jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] + f(w, x)), (0, 0.0))[1]
+    ),
     "cond": lambda f: lambda w, x: jax.lax.cond(x.sum() > 0, f, lambda w, x: -f(w, x), w, x),
     "switch": lambda f: lambda w, x: jax.lax.switch(1, [lambda w, x: 0.0 * f(w, x), f], w, x),
     "checkpoint": lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
     "checkpoint_grad": lambda f: jax.grad(jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)),
     "custom_jvp": lambda f: lambda w, x: _custom_jvp_of(f)(w, x) + jax.grad(_custom_jvp_of(f), 1)(w, x).sum(),
     "custom_vjp": lambda f: lambda w, x: _custom_vjp_of(f)(w, x) + jax.grad(_custom_vjp_of(f), 1)(w, x).sum(),
-    "custom_linear_solve": lambda f: lambda w, x: f(w, x) + jax.lax.custom_linear_solve(
-        lambda v: 2.0 * v, x, lambda mv, b: b / 2.0).sum(),
-    "pure_callback": lambda f: lambda w, x: jax.pure_callback(
-        lambda v: np.asarray(v) + 1, jax.ShapeDtypeStruct((), jnp.float32), f(w, x)),
+    "custom_linear_solve": lambda f: (
+        lambda w, x: f(w, x) + jax.lax.custom_linear_solve(lambda v: 2.0 * v, x, lambda mv, b: b / 2.0).sum()
+    ),
+    "pure_callback": lambda f: (
+        lambda w, x: jax.pure_callback(lambda v: np.asarray(v) + 1, jax.ShapeDtypeStruct((), jnp.float32), f(w, x))
+    ),
     "pallas_call": lambda f: lambda w, x: f(w, _pallas_double(x)),
-    "nested_autocast": lambda f: lambda w, x: jamp.autocast(f, enabled=False)(w, x) + jamp.autocast(f, dtype="f16")(w, x),
+    "nested_autocast": lambda f: (
+        lambda w, x: jamp.autocast(f, enabled=False)(w, x) + jamp.autocast(f, dtype="f16")(w, x)
+    ),
     "named_scope": lambda f: lambda w, x: jax.named_scope("block")(f)(w, x),
 }
 NO_LOW_DOTS = {"nested_autocast"}  # mixes a float32 region on purpose
@@ -75,8 +81,11 @@ NO_LOW_DOTS = {"nested_autocast"}  # mixes a float32 region on purpose
 def test_composition(name, order):
     transform = TRANSFORMS[name]
     ref = transform(base)(W, X)
-    fun = jamp.autocast(transform(base), dtype="bf16") if order == "inside" else \
-        transform(jamp.autocast(base, dtype="bf16"))
+    fun = (
+        jamp.autocast(transform(base), dtype="bf16")
+        if order == "inside"
+        else transform(jamp.autocast(base, dtype="bf16"))
+    )
     out = fun(W, X)
     for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
         assert o.dtype == r.dtype
@@ -104,7 +113,8 @@ def test_transforms_of_an_autocast_function_retrace_nothing():
 
 
 def test_pmap_and_shard_map_inside_and_outside():
-    out = run_subprocess("""
+    out = run_subprocess(
+        """
         import jax, jax.numpy as jnp, numpy as np, jamp
         from jax.sharding import PartitionSpec as P, NamedSharding
         from helpers import dtypes_of
@@ -127,7 +137,9 @@ def test_pmap_and_shard_map_inside_and_outside():
         check("pmap", pm, xs)
         with jax.set_mesh(mesh):
             check("shard_map", sm, x)
-    """, env={"PYTHONPATH": "tests"})
+    """,
+        env={"PYTHONPATH": "tests"},
+    )
     lines = out.strip().splitlines()
     assert len(lines) == 4 and all(line.endswith("True True float32") for line in lines), lines
 
@@ -138,7 +150,7 @@ def test_shard_map_body_with_literal_outputs():
     from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])
-    body = lambda w, x: (x @ w, jnp.array(False), jnp.array(1.5, jnp.float32), jnp.float16(2))  # noqa: E731
+    body = lambda w, x: (x @ w, jnp.array(False), jnp.array(1.5, jnp.float32), jnp.float16(2))
     f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P("d"), P(), P(), P()))
     x = jax.device_put(X, NamedSharding(mesh, P("d")))
     ref, out = f(W, x), jamp.autocast(f, dtype="bf16")(W, x)

@@ -274,6 +274,7 @@ def test_eight_devices(eight):
 
 # -- pmap ---------------------------------------------------------------------------------------------
 
+
 def test_pmap_overflow_on_one_replica_skips_every_replica(eight):
     r = section(eight, "pmap")
     assert r["found"] == [True] * 8 and r["scale"] == [512.0] * 8
@@ -297,6 +298,7 @@ def test_pmap_without_axis_name_replicas_diverge(eight):
 
 
 # -- jit + NamedSharding ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("layout", ["dp", "fsdp"])
 def test_jit_sharded_train_step_skips_on_one_shards_overflow(eight, layout):
@@ -325,6 +327,7 @@ def test_sharded_update_with_inf_in_one_shard(eight, axis_type, backend):
 
 
 # -- shard_map ----------------------------------------------------------------------------------------
+
 
 def test_shard_map_axis_name_tuple_reduces_over_every_manual_axis(eight):
     r = section(eight, "shard_map_both_axes")
@@ -447,10 +450,14 @@ def run_group(commands: list[list[str]], timeout: float) -> list[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     with contextlib.ExitStack() as files:
-        logs = [(files.enter_context(tempfile.TemporaryFile("w+")), files.enter_context(tempfile.TemporaryFile("w+")))
-                for _ in commands]
-        procs = [subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=ROOT, env=env, start_new_session=True)
-                 for cmd, (out, err) in zip(commands, logs)]
+        logs = [
+            (files.enter_context(tempfile.TemporaryFile("w+")), files.enter_context(tempfile.TemporaryFile("w+")))
+            for _ in commands
+        ]
+        procs = [
+            subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=ROOT, env=env, start_new_session=True)
+            for cmd, (out, err) in zip(commands, logs)
+        ]
         deadline = time.monotonic() + timeout
         try:
             while any(p.poll() is None for p in procs):
@@ -472,8 +479,10 @@ def _read(f) -> str:
 
 
 def _failure(procs, logs) -> str:
-    return "\n".join(f"--- process {i} (exit {p.poll()}):\n{_read(out)[-2000:]}\n{_read(err)[-4000:]}"
-                     for i, (p, (out, err)) in enumerate(zip(procs, logs)))
+    return "\n".join(
+        f"--- process {i} (exit {p.poll()}):\n{_read(out)[-2000:]}\n{_read(err)[-4000:]}"
+        for i, (p, (out, err)) in enumerate(zip(procs, logs))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -525,11 +534,15 @@ def test_launcher_kills_the_group_on_failure(tmp_path):
 
 # -- the examples -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("script", "expected", "overflow_step"), [
-    ("data_parallel_pmap.py", ["replicas agree: True"], 25),
-    ("fsdp_sharded.py", ["all-gather in the scaler update: False", "shardings kept: True"], 25),
-    ("multiprocess.py", ["[process 0/2] processes agree: True", "[process 1/2] processes agree: True"], 10),
-])
+
+@pytest.mark.parametrize(
+    ("script", "expected", "overflow_step"),
+    [
+        ("data_parallel_pmap.py", ["replicas agree: True"], 25),
+        ("fsdp_sharded.py", ["all-gather in the scaler update: False", "shardings kept: True"], 25),
+        ("multiprocess.py", ["[process 0/2] processes agree: True", "[process 1/2] processes agree: True"], 10),
+    ],
+)
 def test_example_runs(script, expected, overflow_step):
     out = run_group([[sys.executable, str(ROOT / "examples" / script)]], timeout=120)[0]
     assert all(line in out for line in expected), out

@@ -49,9 +49,15 @@ def blocks(path: Path) -> list[Block]:
     for m in FENCE.finditer(text):
         before = text[: m.start()].rstrip().splitlines()
         mark = MARK.search(before[-1]) if before else None
-        out.append(Block(lang=(m.group("info").strip().split() or [""])[0].strip("{}."),
-                         code=textwrap.dedent(m.group("body")), line=text.count("\n", 0, m.start()) + 1,
-                         mark=mark and mark.group("kind"), reason=mark and mark.group("reason")))
+        out.append(
+            Block(
+                lang=(m.group("info").strip().split() or [""])[0].strip("{}."),
+                code=textwrap.dedent(m.group("body")),
+                line=text.count("\n", 0, m.start()) + 1,
+                mark=mark and mark.group("kind"),
+                reason=mark and mark.group("reason"),
+            )
+        )
     return out
 
 
@@ -78,7 +84,7 @@ def test_code_blocks_run(path: Path, monkeypatch):
             continue
         stdout = io.StringIO()
         with contextlib.redirect_stdout(stdout):
-            exec(compile(block.code, f"{path}:{block.line}", "exec"), module.__dict__)  # noqa: S102
+            exec(compile(block.code, f"{path}:{block.line}", "exec"), module.__dict__)
         nxt = page[i + 1] if i + 1 < len(page) else None
         if nxt is not None and nxt.mark == "expected-output":
             assert stdout.getvalue().strip() == nxt.code.strip(), f"{path}:{block.line}: printed output differs"
@@ -92,7 +98,8 @@ def test_markers_are_well_formed(path: Path):
             assert block.reason, f"{path}:{block.line}: <!-- skip: reason --> needs a reason"
         if block.mark == "expected-output":
             assert i > 0 and page[i - 1].lang == "python" and page[i - 1].mark != "skip", (
-                f"{path}:{block.line}: expected output must follow a python block that runs")
+                f"{path}:{block.line}: expected output must follow a python block that runs"
+            )
 
 
 # Columns of a code block that a 1280 px wide browser shows without scrolling (mkdocs-material's content
@@ -100,12 +107,17 @@ def test_markers_are_well_formed(path: Path):
 CODE_COLUMNS = 80
 
 
-@pytest.mark.parametrize("path", [*PAGES, ROOT / "README.md"], ids=lambda p: p.name if p.parent == ROOT else
-                         _page_id(p))
+@pytest.mark.parametrize(
+    "path", [*PAGES, ROOT / "README.md"], ids=lambda p: p.name if p.parent == ROOT else _page_id(p)
+)
 def test_code_lines_fit_the_page(path: Path):
-    long = [f"{path.name}:{block.line + i + 1}: {len(line)} columns" for block in blocks(path)
-            if block.lang not in ("text", "mermaid") for i, line in enumerate(block.code.splitlines())
-            if len(line) > CODE_COLUMNS]
+    long = [
+        f"{path.name}:{block.line + i + 1}: {len(line)} columns"
+        for block in blocks(path)
+        if block.lang not in ("text", "mermaid")
+        for i, line in enumerate(block.code.splitlines())
+        if len(line) > CODE_COLUMNS
+    ]
     assert not long, f"code lines wider than {CODE_COLUMNS} columns hide behind a scrollbar: {long}"
 
 
@@ -129,6 +141,7 @@ def test_skipped_blocks_are_rare():
 
 # -- 2. the generated op reference -------------------------------------------------------------------
 
+
 def _load_generator():
     spec = importlib.util.spec_from_file_location("gen_op_reference", DOCS / "gen_op_reference.py")
     module = importlib.util.module_from_spec(spec)
@@ -146,8 +159,11 @@ def _sections(page: str) -> dict[str, str]:
 
 
 def _table_cells(text: str) -> list[list[str]]:
-    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
-            if line.startswith("|") and not line.startswith("|---")]
+    return [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("|") and not line.startswith("|---")
+    ]
 
 
 def test_one_generated_page_per_device_type():
@@ -236,7 +252,7 @@ def test_readme_lists_every_example_with_the_extra_it_needs():
         imported = {m.split(".")[0] for m in re.findall(r"^(?:from|import) ([\w.]+)", script.read_text(), re.M)}
         if imported & set(EXAMPLES_EXTRA):
             docstring = script.read_text().split('"""')[1]
-            assert '.[examples]' in line and '.[examples]' in docstring, script.name
+            assert ".[examples]" in line and ".[examples]" in docstring, script.name
 
 
 def test_every_benchmark_is_documented():
@@ -247,14 +263,30 @@ def test_every_benchmark_is_documented():
 
 # -- 3. mkdocs build --strict -------------------------------------------------------------------------
 
+
 def test_mkdocs_build_strict(tmp_path):
     for module in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
         pytest.importorskip(module, reason="the docs extra is not installed: pip install -e '.[docs]'")
     site = tmp_path / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
-                             str(ROOT / "mkdocs.yml"), "--site-dir", str(site)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(site),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     listed = {p for row in oplists.OP_TABLE for p in row.primitives}
     for device in oplists.DEVICE_TYPES:

@@ -30,8 +30,10 @@ def _arrays(tree) -> list:
 
 
 def _bitwise_equal(a, b) -> bool:
-    return all(x.dtype == y.dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes()
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    return all(
+        x.dtype == y.dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes()
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 def test_module_as_the_function_takes_its_arrays_as_inputs_and_shares_one_cache(compilations):
@@ -41,8 +43,9 @@ def test_module_as_the_function_takes_its_arrays_as_inputs_and_shares_one_cache(
     amp = jamp.autocast(model, dtype="bf16")
     closed, _ = amp.rewrite(X)
     assert not closed.consts and len(closed.jaxpr.invars) == len(_arrays(model)) + 1  # weights are inputs
-    assert [tuple(str(v.aval.dtype) for v in e.invars) for e in eqns(closed)
-            if e.primitive.name == "dot_general"] == [("bfloat16", "bfloat16")] * 3
+    assert [tuple(str(v.aval.dtype) for v in e.invars) for e in eqns(closed) if e.primitive.name == "dot_general"] == [
+        ("bfloat16", "bfloat16")
+    ] * 3
     TRACES.clear()
     np.testing.assert_allclose(amp(X), ref, rtol=0.02, atol=0.02)
 
@@ -50,8 +53,7 @@ def test_module_as_the_function_takes_its_arrays_as_inputs_and_shares_one_cache(
     np.testing.assert_allclose(jamp.autocast(trained, dtype="bf16")(X), ref_trained, rtol=0.02, atol=0.05)
     np.testing.assert_allclose(jamp.autocast(trained.__call__, dtype="bf16")(X), ref_trained, rtol=0.02, atol=0.05)
     assert len(TRACES) == 1
-    np.testing.assert_allclose(jamp.autocast(trained.hidden, dtype="bf16")(X), trained.hidden(X), rtol=0.02,
-                               atol=0.05)
+    np.testing.assert_allclose(jamp.autocast(trained.hidden, dtype="bf16")(X), trained.hidden(X), rtol=0.02, atol=0.05)
     assert jamp.autocast(model, dtype="bf16", enabled=False)(X).tolist() == model(X).tolist()
 
     # the autocast is a pytree of the module's leaves, so eqx.filter_jit traces the weights
@@ -74,17 +76,27 @@ def test_module_fields_that_are_not_arrays_stay_static_as_under_filter_jit():
     """MaxPool2d's ``-inf`` init and a float used in Python: traced like a float argument, the first would
     have no gradient rule and the second would not run."""
     key = jax.random.key(2)
-    cnn = eqx.nn.Sequential([eqx.nn.Conv2d(1, 4, 3, key=key), eqx.nn.MaxPool2d(2, stride=2), Gate(0.5),
-                             eqx.nn.Lambda(jnp.ravel), eqx.nn.Linear(36, 3, key=key)])
+    cnn = eqx.nn.Sequential(
+        [
+            eqx.nn.Conv2d(1, 4, 3, key=key),
+            eqx.nn.MaxPool2d(2, stride=2),
+            Gate(0.5),
+            eqx.nn.Lambda(jnp.ravel),
+            eqx.nn.Linear(36, 3, key=key),
+        ]
+    )
     images = jax.random.normal(key, (1, 8, 8))
-    loss = lambda model, x: jnp.sum(model(x) ** 2)  # noqa: E731
+    loss = lambda model, x: jnp.sum(model(x) ** 2)
     grads = eqx.filter_jit(eqx.filter_grad(jamp.autocast(loss, dtype="bf16")))(cnn, images)
     ref = eqx.filter_jit(eqx.filter_grad(loss))(cnn, images)
     assert {str(g.dtype) for g in _arrays(grads)} == {"float32"}
     for g, r in zip(_arrays(grads), _arrays(ref), strict=True):
         np.testing.assert_allclose(g, r, rtol=0.05, atol=0.05 * float(jnp.abs(r).max()))
-    convs = [r.ran_dtypes for r in jamp.explain(loss, dtype="bf16")(cnn, images).rows
-             if r.primitive == "conv_general_dilated"]
+    convs = [
+        r.ran_dtypes
+        for r in jamp.explain(loss, dtype="bf16")(cnn, images).rows
+        if r.primitive == "conv_general_dilated"
+    ]
     assert convs == [("bfloat16", "bfloat16")]
 
 
@@ -143,8 +155,9 @@ def test_training_with_batchnorm_state_attention_and_the_scaler():
         np.testing.assert_allclose(s, r, rtol=5e-3, atol=5e-3)
     np.testing.assert_allclose(loss, ref_loss, rtol=5e-3)
     # the module as the function, state in and out, under the vmap that names BatchNorm's axis
-    per_example = eqx.filter_vmap(jamp.autocast(model, device_type="gpu"), axis_name="batch", in_axes=(0, None),
-                                  out_axes=(0, None))
+    per_example = eqx.filter_vmap(
+        jamp.autocast(model, device_type="gpu"), axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+    )
     _, module_state = eqx.filter_jit(per_example)(x, state)
     assert jax.tree.structure(module_state) == jax.tree.structure(new_state)
     for s, r in zip(jax.tree.leaves(module_state), jax.tree.leaves(new_state), strict=True):
@@ -171,10 +184,17 @@ def test_training_with_batchnorm_state_attention_and_the_scaler():
     # inside: matmuls and the convolution in float16, and their bias adds (Linear transposes under vmap and
     # Conv squeezes before adding, the bias rule looks through that); the statistics and softmax in float32
     report = jamp.explain(batch_loss, device_type="gpu")(model, state, x, y)
-    ran = {(r.primitive, r.ran_dtypes) for r in report.rows
-           if r.primitive in ("dot_general", "conv_general_dilated", "reduce_sum", "exp")}
-    assert ran == {("dot_general", ("float16", "float16")), ("conv_general_dilated", ("float16", "float16")),
-                   ("reduce_sum", ("float32",)), ("exp", ("float32",))}
+    ran = {
+        (r.primitive, r.ran_dtypes)
+        for r in report.rows
+        if r.primitive in ("dot_general", "conv_general_dilated", "reduce_sum", "exp")
+    }
+    assert ran == {
+        ("dot_general", ("float16", "float16")),
+        ("conv_general_dilated", ("float16", "float16")),
+        ("reduce_sum", ("float32",)),
+        ("exp", ("float32",)),
+    }
     bias_adds = [r for r in report.rows if r.primitive == "add" and r.path.endswith(("eqx.nn.Linear", "eqx.nn.Conv"))]
     assert len(bias_adds) == 2 and all(r.ran_dtypes == ("float16", "float16") for r in bias_adds)
 
@@ -183,12 +203,14 @@ def test_norm_layers_run_in_float32_on_the_gpu_policy():
     """torch's layer_norm/rms_norm/group_norm are float32 ops on the CUDA list; Equinox builds them from
     primitives under the name scope eqx.nn.<class>. Unruled, RMSNorm's x ** 2 overflowed float16 past 256."""
     key = jax.random.key(3)
-    model = eqx.nn.Sequential([eqx.nn.Linear(8, 16, key=key), eqx.nn.RMSNorm(16), eqx.nn.LayerNorm(16),
-                               eqx.nn.GroupNorm(4, 16)])
+    model = eqx.nn.Sequential(
+        [eqx.nn.Linear(8, 16, key=key), eqx.nn.RMSNorm(16), eqx.nn.LayerNorm(16), eqx.nn.GroupNorm(4, 16)]
+    )
     x = 300 * X
-    f = lambda model, x: jax.vmap(model)(x)  # noqa: E731
-    np.testing.assert_allclose(jamp.autocast(f, device_type="gpu")(model, x), eqx.filter_jit(f)(model, x), rtol=0.02,
-                               atol=0.02)
+    f = lambda model, x: jax.vmap(model)(x)
+    np.testing.assert_allclose(
+        jamp.autocast(f, device_type="gpu")(model, x), eqx.filter_jit(f)(model, x), rtol=0.02, atol=0.02
+    )
     rows = jamp.explain(f, device_type="gpu")(model, x).rows
     for norm in ("eqx.nn.RMSNorm", "eqx.nn.LayerNorm", "eqx.nn.GroupNorm"):
         inside = [r for r in rows if norm in r.path.split("/")]

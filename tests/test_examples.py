@@ -22,8 +22,14 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 def run_example(name: str, *args: str) -> list[str]:
     """Stdout lines of ``python examples/<name> <args>``; the test fails with its stderr if it fails, or if
     it drew progress bars into a stream that is not a terminal (a log would get a line per update)."""
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
-                          timeout=600, cwd=EXAMPLES.parent, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=EXAMPLES.parent,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "\r" not in proc.stdout + proc.stderr, f"{name} wrote carriage returns into a pipe"
     return proc.stdout.splitlines()
@@ -39,8 +45,9 @@ def result(lines: list[str], pattern: str) -> dict[str, float]:
 def test_digits_four_runs_match_float32(tmp_path):
     figure = tmp_path / "digits.png"
     lines = run_example("digits.py", "--steps", "150", "--out", str(figure))
-    acc = result(lines, " ".join(f"{k}=(?P<{k}>[01]\\.\\d{{3}})" for k in
-                                 ("fp32", "bf16", "fp16_scaled", "fp16_unscaled")))
+    acc = result(
+        lines, " ".join(f"{k}=(?P<{k}>[01]\\.\\d{{3}})" for k in ("fp32", "bf16", "fp16_scaled", "fp16_unscaled"))
+    )
     assert acc["fp32"] >= 0.95
     assert abs(acc["bf16"] - acc["fp32"]) <= 0.025
     assert abs(acc["fp16_scaled"] - acc["fp32"]) <= 0.025
@@ -66,23 +73,33 @@ def test_char_lm_amp_loss_tracks_float32():
 def test_char_lm_runs_a_single_step_under_the_fp8_policy():
     """--steps 1 once crashed: the warm-up took the cosine decay's only step (decay_steps=0)."""
     lines = run_example("char_lm.py", "--steps", "1", "--amp", "fp8")
-    assert [ln.split()[:3] for ln in lines if " step " in ln] == [["float32:", "step", "1/1"],
-                                                                  ["amp_fp8:", "step", "1/1"]]
+    assert [ln.split()[:3] for ln in lines if " step " in ln] == [
+        ["float32:", "step", "1/1"],
+        ["amp_fp8:", "step", "1/1"],
+    ]
     # the batched attention einsums are not 2-D contractions, so they stay bfloat16
     mix = "dot_general by region and dtype: blocks bfloat16: 2, blocks float8_e4m3fn: 6, lm_head float32: 1"
     assert mix in [ln.strip() for ln in lines]
     assert lines[-1].startswith("RESULT fp32_eval_loss=")
 
 
-@pytest.mark.parametrize("update,state_dtype,kept", [("kahan", None, "8.00 bytes per parameter kept between steps "
-                                                                      "(parameters 2.00 + optimizer state 6.00)"),
-                                                     ("stochastic", "float32", "10.00 bytes per parameter kept between "
-                                                      "steps (parameters 2.00 + optimizer state 8.00)")])
+@pytest.mark.parametrize(
+    "update,state_dtype,kept",
+    [
+        ("kahan", None, "8.00 bytes per parameter kept between steps (parameters 2.00 + optimizer state 6.00)"),
+        (
+            "stochastic",
+            "float32",
+            "10.00 bytes per parameter kept between steps (parameters 2.00 + optimizer state 8.00)",
+        ),
+    ],
+)
 def test_char_lm_trains_bfloat16_parameters_without_float32_masters(update, state_dtype, kept):
     """--params bf16: the same bfloat16 autocast on parameters stored in bfloat16 (the docstring's full-budget
     figures are in docs/low-precision-params.md); at 24 steps the held-out losses agree to 0.02 nats."""
-    args = ["--steps", "24", "--params", "bf16", "--update", update] + (["--state-dtype", state_dtype] if state_dtype
-                                                                         else [])
+    args = ["--steps", "24", "--params", "bf16", "--update", update] + (
+        ["--state-dtype", state_dtype] if state_dtype else []
+    )
     lines = run_example("char_lm.py", *args)
     loss = result(lines, r"fp32_eval_loss=(?P<fp32>\d+\.\d{4}) bf16_eval_loss=(?P<bf16>\d+\.\d{4})")
     assert loss["fp32"] < 3.3 and abs(loss["bf16"] - loss["fp32"]) < 0.02
@@ -91,10 +108,13 @@ def test_char_lm_trains_bfloat16_parameters_without_float32_masters(update, stat
     assert "dot_general by region and dtype: blocks bfloat16: 8, lm_head float32: 1" in [ln.strip() for ln in lines]
 
 
-@pytest.mark.parametrize("name,norm_path,head_path,min_accuracy", [
-    ("flax_linen.py", "MLP/LayerNorm_0", "MLP/head", 0.9),
-    ("flax_nnx.py", "LayerNorm", "head", 0.6),
-])
+@pytest.mark.parametrize(
+    "name,norm_path,head_path,min_accuracy",
+    [
+        ("flax_linen.py", "MLP/LayerNorm_0", "MLP/head", 0.9),
+        ("flax_nnx.py", "LayerNorm", "head", 0.6),
+    ],
+)
 def test_flax_pattern_keeps_head_and_norm_in_float32(name, norm_path, head_path, min_accuracy):
     lines = run_example(name, "--steps", "40")
     assert result(lines, r"train_accuracy=(?P<acc>[01]\.\d{3})")["acc"] >= min_accuracy
@@ -103,8 +123,11 @@ def test_flax_pattern_keeps_head_and_norm_in_float32(name, norm_path, head_path,
     assert any("float16" in dtypes for dtypes in ran.values())
     assert re.match(r"step\s+0\s+loss \d+\.\d+\s+scale 65536\s+skipped False", lines[0])
     if name == "flax_nnx.py":  # the model is an argument of the autocast function: its writes reach it
-        moved = next(m for m in (re.search(r"\|mean\| (\d\.\d{3}) \(0 at init\); Dropout RNG count (\d+)", ln)
-                                 for ln in lines) if m)
+        moved = next(
+            m
+            for m in (re.search(r"\|mean\| (\d\.\d{3}) \(0 at init\); Dropout RNG count (\d+)", ln) for ln in lines)
+            if m
+        )
         assert float(moved[1]) > 0 and int(moved[2]) == 40
 
 
@@ -123,12 +146,16 @@ def test_explain_example_reports_low_precision_matmuls_and_finds_the_injected_ov
     lines = run_example("explain.py")
     rows = {m[1]: m[2] for m in (re.fullmatch(r" (Block/\S+)\s+\d+\s+(.+?)\s{3,}.*", ln) for ln in lines) if m}
     assert rows["Block/mlp_in"] == rows["Block/lm_head"] == "f16 2, f32 1" and rows["Block/LayerNorm_0"] == "f32 18"
-    assert "9 of 9 matmuls ran in float16; Block/LayerNorm_0 and Block/LayerNorm_1 ran in float32 (the GPU list's " \
-           "LayerNorm rule)." in lines
+    assert (
+        "9 of 9 matmuls ran in float16; Block/LayerNorm_0 and Block/LayerNorm_1 ran in float32 (the GPU list's "
+        "LayerNorm rule)." in lines
+    )
     slow = [i for i, ln in enumerate(lines) if ln.endswith("...")]  # a progress line before each slow search
     assert len(slow) == 2 and lines[slow[0] + 1] == "   No overflow: every float16 result is finite where float32 is."
-    assert re.fullmatch(r"   Found: overflow in mul \(op #\d+\) at explain\.py:\d+ \(Block\.__call__\) \[Block\]: .*",
-                        lines[slow[1] + 1])
+    assert re.fullmatch(
+        r"   Found: overflow in mul \(op #\d+\) at explain\.py:\d+ \(Block\.__call__\) \[Block\]: .*",
+        lines[slow[1] + 1],
+    )
     assert re.fullmatch(r"   explain\.py:\d+ \(Block\.__call__\) is the line to change: .*", lines[-1])
     assert not any(ln.startswith("RESULT") for ln in lines)
 
@@ -141,8 +168,9 @@ def test_quickstart_trains_with_autocast_and_the_scaler_and_matches_float32():
     losses = [ln.split() for ln in lines if re.fullmatch(r"\s*\d+\s+\d+\.\d{4}\s+\d+\.\d{4}", ln)]
     assert [int(row[0]) for row in losses] == list(range(0, 60, 10))
     assert all(abs(float(ref) - float(amp)) < 0.005 for _, ref, amp in losses)  # "about three decimals"
-    assert re.fullmatch(r"loss scale: 65536 -> \d+, \d+ of 60 steps skipped", next(
-        ln for ln in lines if ln.startswith("loss scale")))
+    assert re.fullmatch(
+        r"loss scale: 65536 -> \d+, \d+ of 60 steps skipped", next(ln for ln in lines if ln.startswith("loss scale"))
+    )
     assert any(ln.startswith("A good result: ") for ln in lines)  # the table is explained
     ran = {ln.split()[0]: ln.split(None, 1)[1] for ln in lines if ln.startswith("  ")}
     assert re.fullmatch(r"float16: \d+", ran["dot_general"]) and ran["exp"] == ran["log"] == "float32: 1"

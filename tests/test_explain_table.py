@@ -22,7 +22,7 @@ def _rows(report, primitive):
 def test_a_low_precision_sum_shows_that_it_accumulates_in_float32():
     """Issue 28.3: a mean over a bfloat16 matmul (the cpu list passes reduce_sum through) is a bfloat16 op whose
     sum runs in float32; the record and both tables say both, as the rewritten program does."""
-    f = lambda w, x: jnp.mean(x @ w)  # noqa: E731
+    f = lambda w, x: jnp.mean(x @ w)
     report = jamp.explain(f, device_type="cpu")(W, X)
     (row,) = _rows(report, "reduce_sum")
     assert row.ran_dtypes == ("bfloat16",) and row.out_dtypes == ("bfloat16",) and row.accumulated_in == "float32"
@@ -54,12 +54,11 @@ SOURCE_LINE = 400
 def deep_report():
     namespace = {"jnp": jnp}
     code = "\n" * (SOURCE_LINE - 2) + "def classifier_head_loss(w, x):\n    return jnp.tanh(x @ w).sum()\n"
-    exec(compile(code, DEEP_FILE, "exec"), namespace)  # noqa: S102
+    exec(compile(code, DEEP_FILE, "exec"), namespace)
     return jamp.explain(namespace["classifier_head_loss"], device_type="gpu")(W, X)
 
 
-@pytest.mark.parametrize("full,width", [(False, 60), (False, 80), (False, 120), (False, 200), (True, 120),
-                                        (True, 200)])
+@pytest.mark.parametrize("full,width", [(False, 60), (False, 80), (False, 120), (False, 200), (True, 120), (True, 200)])
 def test_table_never_breaks_a_file_and_line(deep_report, full, width):
     """The source column stays whole (it once folded 'model_definitions.py:40' / '0' even 200 wide), cut from
     the left where it is long; the other columns wrap instead. (The full table's eight columns need 120.)"""

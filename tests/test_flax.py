@@ -40,8 +40,9 @@ class Model(nn.Module):
         x = nn.Embed(32, 16)(tokens)
         x = nn.Conv(16, (3,), padding="SAME")(x)
         x = nn.remat(Block)()(x)
-        x, _ = nn.scan(nn.remat(ScanBlock), variable_axes={"params": 0}, split_rngs={"params": True},
-                       length=2)()(x, None)
+        x, _ = nn.scan(nn.remat(ScanBlock), variable_axes={"params": 0}, split_rngs={"params": True}, length=2)()(
+            x, None
+        )
         return nn.Dense(32)(nn.LayerNorm()(x))
 
 
@@ -78,7 +79,7 @@ def test_linen_model_grads_match_float32(params, device_type):
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         assert g.dtype == r.dtype == jnp.float32
         np.testing.assert_allclose(g, r, atol=0.03 * scale)
-    flat = lambda t: jnp.concatenate([x.ravel() for x in jax.tree.leaves(t)])  # noqa: E731
+    flat = lambda t: jnp.concatenate([x.ravel() for x in jax.tree.leaves(t)])
     cosine = jnp.dot(flat(grads), flat(ref_grads)) / (jnp.linalg.norm(flat(grads)) * jnp.linalg.norm(flat(ref_grads)))
     assert cosine > 0.999
 
@@ -106,7 +107,9 @@ def test_linen_module_path_rule_keeps_lm_head_in_float32(params):
     closed = jax.make_jaxpr(jamp.autocast(Model().apply, policy=policy))(params, TOKENS)
     for e in eqns(closed):
         if e.primitive.name == "dot_general":
-            top_dense = str(e.source_info.name_stack).endswith("Dense_0") and "Block" not in str(e.source_info.name_stack)
+            top_dense = str(e.source_info.name_stack).endswith("Dense_0") and "Block" not in str(
+                e.source_info.name_stack
+            )
             if top_dense:
                 assert all(str(v.aval.dtype) == "float32" for v in e.invars)
 
@@ -175,8 +178,9 @@ def _leaves_equal(a, b):
     def data(x):
         return jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
 
-    return all(np.array_equal(data(u), data(v))
-               for u, v in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))))
+    return all(
+        np.array_equal(data(u), data(v)) for u, v in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)))
+    )
 
 
 def test_nnx_module_autocast_always_computes_with_todays_weights():

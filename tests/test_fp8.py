@@ -61,15 +61,18 @@ def test_fp8_policy_is_the_bf16_gpu_policy_with_fp8_on():
         jamp.Policy(jnp.bfloat16, fp8="yes")
 
 
-@pytest.mark.parametrize("lhs,rhs,dims,ok", [
-    ((32, 16), (16, 48), ((1,), (0,)), True),
-    ((4, 16, 32), (32, 64), ((2,), (0,)), True),            # flax Dense on (batch, seq, features)
-    ((16, 4, 8), (4, 8, 32), ((1, 2), (0, 1)), True),       # DenseGeneral over (heads, head_dim)
-    ((10, 12), (12, 7), ((1,), (0,)), False),                # extents not multiples of 16
-    ((32, 24), (24, 32), ((1,), (0,)), False),               # K = 24
-    ((32, 16), (16, 8), ((1,), (0,)), False),                # N = 8
-    ((0, 16), (16, 16), ((1,), (0,)), False),                # empty
-])
+@pytest.mark.parametrize(
+    "lhs,rhs,dims,ok",
+    [
+        ((32, 16), (16, 48), ((1,), (0,)), True),
+        ((4, 16, 32), (32, 64), ((2,), (0,)), True),  # flax Dense on (batch, seq, features)
+        ((16, 4, 8), (4, 8, 32), ((1, 2), (0, 1)), True),  # DenseGeneral over (heads, head_dim)
+        ((10, 12), (12, 7), ((1,), (0,)), False),  # extents not multiples of 16
+        ((32, 24), (24, 32), ((1,), (0,)), False),  # K = 24
+        ((32, 16), (16, 8), ((1,), (0,)), False),  # N = 8
+        ((0, 16), (16, 16), ((1,), (0,)), False),  # empty
+    ],
+)
 def test_eligibility(lhs, rhs, dims, ok):
     assert fp8.eligible(lhs, rhs, (dims, ((), ()))) is ok
 
@@ -81,13 +84,16 @@ def test_batched_matmuls_are_not_eligible():
 # ---------------------------------------------------------------- the float8 matmul itself
 
 
-@pytest.mark.parametrize("lhs,rhs,dims", [
-    ((32, 16), (16, 48), ((1,), (0,))),
-    ((2, 16, 32), (32, 16), ((2,), (0,))),
-    ((32, 2, 16), (32, 4, 8), ((0,), (0,))),       # contracting dimension first on both sides
-    ((16, 4, 8), (4, 16, 8), ((1, 2), (0, 2))),    # two contracting dimensions
-    ((16, 4, 8), (8, 16, 4), ((1, 2), (2, 0))),    # ... in another order on the rhs
-])
+@pytest.mark.parametrize(
+    "lhs,rhs,dims",
+    [
+        ((32, 16), (16, 48), ((1,), (0,))),
+        ((2, 16, 32), (32, 16), ((2,), (0,))),
+        ((32, 2, 16), (32, 4, 8), ((0,), (0,))),  # contracting dimension first on both sides
+        ((16, 4, 8), (4, 16, 8), ((1, 2), (0, 2))),  # two contracting dimensions
+        ((16, 4, 8), (8, 16, 4), ((1, 2), (2, 0))),  # ... in another order on the rhs
+    ],
+)
 def test_exact_where_float8_is_exact(lhs, rhs, dims):
     """Small integers are exact in e4m3fn and e5m2 after a power-of-two scale, so the float8 matmul and
     its gradients must equal float32's bit for bit: this checks scaling and the backward's dimension
@@ -96,7 +102,7 @@ def test_exact_where_float8_is_exact(lhs, rhs, dims):
     a = jnp.asarray(rng.integers(-4, 5, lhs), jnp.float32)
     b = jnp.asarray(rng.integers(-4, 5, rhs), jnp.bfloat16)
     dn = (dims, ((), ()))
-    exact = lambda a, b: jax.lax.dot_general(a, b.astype(jnp.float32), dn)  # noqa: E731
+    exact = lambda a, b: jax.lax.dot_general(a, b.astype(jnp.float32), dn)
     out, exact_vjp = jax.vjp(exact, a, b)
     out8, vjp8 = jax.vjp(lambda a, b: fp8.dot_general(a, b, dn, jnp.float32), a, b)
     np.testing.assert_array_equal(out8, out)
@@ -142,7 +148,7 @@ def test_inf_or_nan_operand_makes_the_product_non_finite(bad):
 def test_inf_cotangent_makes_the_gradients_non_finite():
     w = jax.random.normal(jax.random.key(2), (32, 16))
     x = jax.random.normal(jax.random.key(3), (16, 32))
-    overflowing = lambda w: jnp.sum(jamp.autocast(jnp.matmul, policy="fp8")(x, w) * 1e38) * 10.0  # noqa: E731
+    overflowing = lambda w: jnp.sum(jamp.autocast(jnp.matmul, policy="fp8")(x, w) * 1e38) * 10.0
     grads = jax.grad(overflowing)(w)
     assert not np.isfinite(grads).all()
 
@@ -154,7 +160,7 @@ def test_scaler_skips_a_step_with_an_inf_operand():
     bad_x = X.at[0, 0, 0].set(jnp.inf)
     grads = jax.grad(lambda p: jamp.scale(f(p, bad_x), state))(PARAMS)
     updates, state = tx.update(grads, state, PARAMS)
-    assert bool(jamp.found_inf(state)) and float(jamp.get_scale(state)) == 2.0 ** 15
+    assert bool(jamp.found_inf(state)) and float(jamp.get_scale(state)) == 2.0**15
     assert all(not u.any() for u in jax.tree.leaves(updates))
     grads = jax.grad(lambda p: jamp.scale(f(p, X), state))(PARAMS)
     updates, state = tx.update(grads, state, PARAMS)
@@ -166,9 +172,9 @@ def test_a_power_of_two_loss_scale_cancels_exactly():
     bit of the float8 cotangents: the unscaled gradients are those of the unscaled loss."""
     f = jamp.autocast(loss, policy="fp8")
     plain = jax.grad(f)(PARAMS, X)
-    scaled = jax.grad(lambda p: f(p, X) * 2.0 ** 16)(PARAMS)
+    scaled = jax.grad(lambda p: f(p, X) * 2.0**16)(PARAMS)
     for g, s in zip(jax.tree.leaves(plain), jax.tree.leaves(scaled)):
-        np.testing.assert_array_equal(s / 2.0 ** 16, g)
+        np.testing.assert_array_equal(s / 2.0**16, g)
 
 
 # ---------------------------------------------------------------- under autocast
@@ -221,12 +227,15 @@ def test_lowering_shows_float8_types():
     assert "f8e4m3fn" in compiled and "f8e5m2" in compiled
 
 
-@pytest.mark.parametrize("fun,args", [
-    (jnp.matmul, (jnp.ones((10, 12)), jnp.ones((12, 7)))),
-    (lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k), (jnp.ones((2, 16, 4, 16)), jnp.ones((2, 16, 4, 16)))),
-    (jnp.matmul, (jnp.ones((2, 16, 32)), jnp.ones((2, 32, 16)))),  # batched
-    (jnp.matmul, (jnp.ones((32, 16)), jnp.ones((16,)))),             # matrix-vector
-])
+@pytest.mark.parametrize(
+    "fun,args",
+    [
+        (jnp.matmul, (jnp.ones((10, 12)), jnp.ones((12, 7)))),
+        (lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k), (jnp.ones((2, 16, 4, 16)), jnp.ones((2, 16, 4, 16)))),
+        (jnp.matmul, (jnp.ones((2, 16, 32)), jnp.ones((2, 32, 16)))),  # batched
+        (jnp.matmul, (jnp.ones((32, 16)), jnp.ones((16,)))),  # matrix-vector
+    ],
+)
 def test_ineligible_matmuls_follow_the_bf16_rule(fun, args):
     assert dtypes_of(jamp.autocast(fun, policy="fp8"), *args) == [(BF16, BF16, BF16)]
 
@@ -241,16 +250,17 @@ def test_region_modes_decide_where_float8_applies():
     assert dtypes_of(f, PARAMS, X) == [FORWARD_DOT, (F32, F32, F32), (BF16, BF16, BF16)]
     f = jamp.autocast(loss, policy=jamp.get_policy("fp8").with_rules({"Dense_1": "compute"}))
     assert dtypes_of(f, PARAMS, X)[:2] == [FORWARD_DOT, FORWARD_DOT]
-    inner_off = lambda p, x: jamp.autocast(loss, enabled=False)(p, x)  # noqa: E731
+    inner_off = lambda p, x: jamp.autocast(loss, enabled=False)(p, x)
     assert dtypes_of(jamp.autocast(inner_off, policy="fp8"), PARAMS, X) == [(F32, F32, F32)] * 3
 
 
 def test_other_ops_follow_the_bf16_gpu_policy():
-    f = lambda x, w: jnp.exp(jax.nn.gelu(x @ w)).sum()  # noqa: E731
+    f = lambda x, w: jnp.exp(jax.nn.gelu(x @ w)).sum()
     x, w = jnp.ones((16, 32)), jnp.ones((32, 16))
     fp8_ops = {(r.primitive, r.ran_dtypes) for r in jamp.explain(f, policy="fp8")(x, w).rows if not r.flops}
-    bf16_ops = {(r.primitive, r.ran_dtypes) for r in jamp.explain(f, policy="gpu", dtype="bf16")(x, w).rows
-                if not r.flops}
+    bf16_ops = {
+        (r.primitive, r.ran_dtypes) for r in jamp.explain(f, policy="gpu", dtype="bf16")(x, w).rows if not r.flops
+    }
     assert fp8_ops == bf16_ops and ("exp", (F32,)) in fp8_ops
 
 
@@ -290,7 +300,7 @@ def test_composes_with_scan_remat_and_vmap():
             return blocks(name="blocks")(x, None)[0]
 
     params = Stack().init(jax.random.key(0), X)
-    stack_loss = lambda p, x: jnp.mean(Stack().apply(p, x) ** 2)  # noqa: E731
+    stack_loss = lambda p, x: jnp.mean(Stack().apply(p, x) ** 2)
     f = jamp.autocast(stack_loss, policy="fp8")
     dots = dtypes_of(jax.grad(f), params, X)
     assert {E4M3, E5M2} <= {d for dot in dots for d in dot} and BF16 not in str(dots)

@@ -21,12 +21,29 @@ JAX_PACKAGES = ("jax", "jaxlib", "jax-cuda", "flax", "optax", "chex", "orbax")
 def test_pip_install_keeps_the_installed_jax(tmp_path):
     report = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation",
-         "--quiet", "--report", str(report), str(REPO)],
-        capture_output=True, text=True, timeout=300, check=False)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--no-index",
+            "--no-build-isolation",
+            "--quiet",
+            "--report",
+            str(report),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, f"pip cannot install jamp beside jax {jax.__version__}:\n{proc.stderr[-3000:]}"
-    planned = {item["metadata"]["name"].lower(): item["metadata"]["version"]
-               for item in json.loads(report.read_text())["install"]}
+    planned = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
     assert "jax-amp" in planned
     touched = sorted(name for name in planned if name.startswith(JAX_PACKAGES) and name != "jax-amp")
     assert not touched, f"installing jamp would change {touched} (jax {jax.__version__} is installed)"

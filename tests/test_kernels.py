@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import eqns
 
 import jamp_kernels
-from helpers import eqns
 from jamp import _jax_compat as jc
 from jamp_kernels import pallas_triton, xla
 
@@ -48,8 +48,13 @@ def tree():
     """Every ragged size in every half/single dtype, a 0-d leaf, an N-d leaf, and pass-through leaves."""
     rng = np.random.default_rng(0)
     tree = {f"{jnp.dtype(dt).name}_{n}": jnp.asarray(rng.standard_normal(n) * 1024, dt) for dt in DTYPES for n in SIZES}
-    tree.update(scalar=jnp.float16(-3.5), matrix=jnp.asarray(rng.standard_normal((33, 5)), jnp.bfloat16),
-                steps=jnp.arange(5, dtype=jnp.int32), mask=jnp.array([True, False]), empty=jnp.zeros((0, 3)))
+    tree.update(
+        scalar=jnp.float16(-3.5),
+        matrix=jnp.asarray(rng.standard_normal((33, 5)), jnp.bfloat16),
+        steps=jnp.arange(5, dtype=jnp.int32),
+        mask=jnp.array([True, False]),
+        empty=jnp.zeros((0, 3)),
+    )
     return tree
 
 
@@ -82,9 +87,11 @@ def test_every_nonfinite_kind_at_both_ends_of_every_leaf(tree, jitted, backend):
                 assert_same_bits(out[key], reference(poisoned[key], INV))  # still unscaled, as torch does
 
 
-SUBNORMALS = {"f32": jnp.array([1e-40, -3e-39, 1e-45, 2.0], jnp.float32),
-              "bf16": jnp.array([1e-39, -2e-40, 1.0], jnp.bfloat16),
-              "f16": jnp.array([1e-7, -3e-8, 6e-8, 1.0], jnp.float16)}
+SUBNORMALS = {
+    "f32": jnp.array([1e-40, -3e-39, 1e-45, 2.0], jnp.float32),
+    "bf16": jnp.array([1e-39, -2e-40, 1.0], jnp.bfloat16),
+    "f16": jnp.array([1e-7, -3e-8, 6e-8, 1.0], jnp.float16),
+}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -111,7 +118,9 @@ def test_values_returned_unchanged_are_moved_as_bits(backend):
     assert len(calls) == (backend == "interpret")
     for call in calls:
         leaves = call.invars[1:]  # after the inv_scale pair
-        assert [v.aval.dtype for v in leaves] == [np.dtype(f"uint{8 * g.dtype.itemsize}") for g in jax.tree.leaves(SUBNORMALS)]
+        assert [v.aval.dtype for v in leaves] == [
+            np.dtype(f"uint{8 * g.dtype.itemsize}") for g in jax.tree.leaves(SUBNORMALS)
+        ]
         assert [v.aval.dtype for v in call.outvars[:-1]] == [v.aval.dtype for v in leaves]
 
 
@@ -133,8 +142,7 @@ def test_eager_call_and_float16_rounding(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_without_floating_leaves_nothing_runs(backend):
-    g = {"step": jnp.arange(3), "empty": jnp.zeros((0,), jnp.float32),
-         "int_grad": np.zeros((2,), jax.dtypes.float0)}
+    g = {"step": jnp.arange(3), "empty": jnp.zeros((0,), jnp.float32), "int_grad": np.zeros((2,), jax.dtypes.float0)}
     out, found = jamp_kernels.unscale_and_check(g, 0.5, backend=backend)
     assert out is g and not found
 
@@ -142,8 +150,10 @@ def test_without_floating_leaves_nothing_runs(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_vmap_gives_one_flag_per_example(backend):
     rng = np.random.default_rng(1)
-    batch = {"w": jnp.asarray(rng.standard_normal((3, 1000)), jnp.float32),
-             "h": jnp.asarray(rng.standard_normal((3, 4097)), jnp.float16)}
+    batch = {
+        "w": jnp.asarray(rng.standard_normal((3, 1000)), jnp.float32),
+        "h": jnp.asarray(rng.standard_normal((3, 4097)), jnp.float16),
+    }
     batch["h"] = batch["h"].at[1, 4096].set(jnp.inf)
     out, found = jax.jit(jax.vmap(lambda g: jamp_kernels.unscale_and_check(g, INV, backend=backend)))(batch)
     np.testing.assert_array_equal(found, [False, True, False])
@@ -215,9 +225,13 @@ def test_cpu_check_finds_every_nonfinite_kind_at_every_view_edge():
 
         @jax.jit
         def check(tree, leaf, position, value):
-            return jamp_kernels.has_nonfinite([jnp.where((leaf == i) & (jnp.arange(g.size) == position),
-                                                         value.astype(g.dtype), g) for i, g in enumerate(tree)],
-                                              backend="xla")
+            return jamp_kernels.has_nonfinite(
+                [
+                    jnp.where((leaf == i) & (jnp.arange(g.size) == position), value.astype(g.dtype), g)
+                    for i, g in enumerate(tree)
+                ],
+                backend="xla",
+            )
 
         assert not check(tree, -1, 0, jnp.float32(0))
         for i, n in enumerate(sizes):

@@ -17,8 +17,14 @@ def cuda_text(fn, *args) -> str:
 
 
 def mixed_tree():
-    return {"h": jnp.ones(4097, jnp.float16), "b": jnp.ones((33, 5), jnp.bfloat16), "f": jnp.ones(65537),
-            "full": jnp.ones(8192), "scalar": jnp.float32(2.0), "step": jnp.int32(3)}
+    return {
+        "h": jnp.ones(4097, jnp.float16),
+        "b": jnp.ones((33, 5), jnp.bfloat16),
+        "f": jnp.ones(65537),
+        "full": jnp.ones(8192),
+        "scalar": jnp.float32(2.0),
+        "step": jnp.int32(3),
+    }
 
 
 @pytest.mark.parametrize("backend", ["pallas", "auto"])
@@ -47,7 +53,7 @@ def test_leaf_groups_bound_the_kernel_size(monkeypatch):
 
 @pytest.mark.parametrize("donate", [False, True])
 def test_donate_aliases_outputs_to_inputs(donate):
-    fn = lambda g: jamp_kernels.unscale_and_check(g, 0.5, backend="pallas", donate=donate)  # noqa: E731
+    fn = lambda g: jamp_kernels.unscale_and_check(g, 0.5, backend="pallas", donate=donate)
     text = cuda_text(fn, mixed_tree())
     assert ("output_operand_aliases" in text) == donate
 

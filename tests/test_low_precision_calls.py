@@ -50,14 +50,17 @@ def _pallas_product(a, b):
     return _pallas_mul(a, b)
 
 
-_pallas_product.defvjp(lambda a, b: (_pallas_mul(a, b), (a, b)),
-                       lambda res, g: (_pallas_mul(g, res[1]), _pallas_mul(g, res[0])))
+_pallas_product.defvjp(
+    lambda a, b: (_pallas_mul(a, b), (a, b)), lambda res, g: (_pallas_mul(g, res[1]), _pallas_mul(g, res[0]))
+)
 pallas_product = jamp.lower_precision(_pallas_product)  # a bfloat16 Pallas kernel and its backward kernel
 
 # (the layer with the kernel, the same layer in float32 without it)
 LAYERS = {
-    "refuses_float32": (lambda w, x: refuses_float32(x @ w, w, scale=0.5),
-                        lambda w, x: _refusing_math(x @ w, w, scale=0.5)),
+    "refuses_float32": (
+        lambda w, x: refuses_float32(x @ w, w, scale=0.5),
+        lambda w, x: _refusing_math(x @ w, w, scale=0.5),
+    ),
     "pallas": (lambda w, x: pallas_product(x @ w, x), lambda w, x: (x @ w) * x),
 }
 
@@ -65,6 +68,7 @@ LAYERS = {
 def _scan_layers(layer):
     def model(w, x):
         return jax.lax.scan(lambda h, wi: (layer(wi, h), None), x, jnp.stack([w, 0.5 * w]))[0]
+
     return model
 
 
@@ -138,22 +142,29 @@ def _region(mode_block, kernel=accepts_any):
         h = x @ w
         with mode_block():
             return kernel(h, w)
+
     return model
 
 
-@pytest.mark.parametrize("block,expected", [
-    (lambda: jamp.autocast(enabled=False), F32),
-    (lambda: jamp.autocast(dtype=jnp.float16), F16),
-])
+@pytest.mark.parametrize(
+    "block,expected",
+    [
+        (lambda: jamp.autocast(enabled=False), F32),
+        (lambda: jamp.autocast(dtype=jnp.float16), F16),
+    ],
+)
 def test_nested_region_decides_the_dtype(block, expected):
     closed = jax.make_jaxpr(jamp.autocast(_region(block), dtype="bf16"))(W, X)
     assert _kernel_dtypes(closed) == [expected]
 
 
-@pytest.mark.parametrize("block,expected", [
-    (lambda: jamp.autocast(enabled=False), F32),
-    (lambda: jamp.autocast(dtype=jnp.float16), F16),
-])
+@pytest.mark.parametrize(
+    "block,expected",
+    [
+        (lambda: jamp.autocast(enabled=False), F32),
+        (lambda: jamp.autocast(dtype=jnp.float16), F16),
+    ],
+)
 def test_nested_region_with_grad_inside(block, expected):
     """Under jax.grad inside the autocast function JAX differentiates the recorded body, which runs as
     recorded: the trace already read the region off the name stack."""
@@ -164,6 +175,7 @@ def test_nested_region_with_grad_inside(block, expected):
 def test_off_region_behind_a_jit_is_seen_by_the_interpreter():
     """The trace cannot see a region outside a jitted function (JAX starts a new name stack there); the
     interpreter, tracing the kernel again with the whole path known, runs it as written."""
+
     def model(w, x):
         h = x @ w
         with jamp.autocast(enabled=False):
@@ -174,8 +186,9 @@ def test_off_region_behind_a_jit_is_seen_by_the_interpreter():
 
 def test_refusing_kernel_in_an_off_region_raises_as_written():
     with pytest.raises(NotImplementedError):
-        jamp.autocast(_region(lambda: jamp.autocast(enabled=False), functools.partial(refuses_float32, scale=0.5)),
-                      dtype="bf16")(W, X)
+        jamp.autocast(
+            _region(lambda: jamp.autocast(enabled=False), functools.partial(refuses_float32, scale=0.5)), dtype="bf16"
+        )(W, X)
 
 
 def test_policy_region_rules_name_the_call():
@@ -207,10 +220,13 @@ def test_outputs_keep_the_declared_dtype_and_the_kernel_is_traced_once_per_layer
     assert len(TRACED) == 2  # the recorded trace and the interpreter's, shared by the four layers
 
 
-@pytest.mark.parametrize("wrap", [
-    jamp.lower_precision,
-    lambda f: jamp.custom_fwd(f, cast_inputs=jnp.float16),
-])
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        jamp.lower_precision,
+        lambda f: jamp.custom_fwd(f, cast_inputs=jnp.float16),
+    ],
+)
 def test_a_jitted_function_traced_under_autocast_runs_as_written_outside(wrap):
     """JAX caches the trace of a jitted function; traced inside an autocast (with jamp's casts in it),
     it must not be reused outside, where the function runs as written."""
@@ -232,8 +248,13 @@ def test_only_floating_arrays_are_cast_and_other_arguments_are_static():
 
     with jax.enable_x64(True):
         wide = jnp.ones((), jnp.float64)
-        fn = lambda x, key: kernel(x, jnp.arange(2, dtype=jnp.int32), key, wide,  # noqa: E731
-                                   {"scale": 0.5, "tags": {"a", "b"}})
+        fn = lambda x, key: kernel(
+            x,
+            jnp.arange(2, dtype=jnp.int32),
+            key,
+            wide,
+            {"scale": 0.5, "tags": {"a", "b"}},
+        )
         out = jamp.autocast(fn, dtype="bf16")(X, jax.random.key(0))
     np.testing.assert_allclose(out, X[:2] * 0.5 + 3, rtol=1e-2)
 

@@ -57,13 +57,13 @@ def test_issue_22_regression_kahan_recovers_float32_where_nearest_stalls():
     w0, loss = regression(n=64, out=16, rows=512)
     final = {}
     for name, dtype, tx in (
-            ("float32", jnp.float32, optax.adam(1e-3)),
-            ("nearest", jnp.bfloat16, optax.adam(1e-3)),
-            ("kahan", jnp.bfloat16, jamp.kahan_summation(optax.adam(1e-3))),
-            ("kahan_f32_state", jnp.bfloat16, jamp.kahan_summation(optax.adam(1e-3), state_dtype=jnp.float32)),
-            ("stochastic", jnp.bfloat16, jamp.stochastic_rounding(optax.adam(1e-3))),
-            ("stochastic_f32_state", jnp.bfloat16,
-             jamp.stochastic_rounding(optax.adam(1e-3), state_dtype=jnp.float32))):
+        ("float32", jnp.float32, optax.adam(1e-3)),
+        ("nearest", jnp.bfloat16, optax.adam(1e-3)),
+        ("kahan", jnp.bfloat16, jamp.kahan_summation(optax.adam(1e-3))),
+        ("kahan_f32_state", jnp.bfloat16, jamp.kahan_summation(optax.adam(1e-3), state_dtype=jnp.float32)),
+        ("stochastic", jnp.bfloat16, jamp.stochastic_rounding(optax.adam(1e-3))),
+        ("stochastic_f32_state", jnp.bfloat16, jamp.stochastic_rounding(optax.adam(1e-3), state_dtype=jnp.float32)),
+    ):
         params, _ = train(tx, w0.astype(dtype), loss, 400)
         assert params.dtype == dtype
         final[name] = float(loss(params))
@@ -84,10 +84,12 @@ def test_chain_inside_or_outside(name):
     the last element: it returns updates that land exactly, which nothing may change afterwards)."""
     w0, loss = regression()
     wrap = TRANSFORMS[name]
-    outside, _ = train(wrap(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))), w0.astype(jnp.bfloat16),
-                       loss, 5)
-    inside, _ = train(optax.chain(optax.clip_by_global_norm(1.0), wrap(optax.adam(1e-2))), w0.astype(jnp.bfloat16),
-                      loss, 5)
+    outside, _ = train(
+        wrap(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))), w0.astype(jnp.bfloat16), loss, 5
+    )
+    inside, _ = train(
+        optax.chain(optax.clip_by_global_norm(1.0), wrap(optax.adam(1e-2))), w0.astype(jnp.bfloat16), loss, 5
+    )
     chex.assert_trees_all_equal(outside, inside)
     assert not np.array_equal(outside, w0.astype(jnp.bfloat16))
 
@@ -151,8 +153,11 @@ def test_inject_hyperparams_inside_and_around():
     tx = jamp.kahan_summation(optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), state_dtype=jnp.float32)
     params, state = train(tx, w0.astype(jnp.bfloat16), loss, 2)
     assert state.inner_state.hyperparams["learning_rate"].dtype == jnp.float32  # it sees float32 params
-    frozen = state._replace(inner_state=state.inner_state._replace(
-        hyperparams={**state.inner_state.hyperparams, "learning_rate": jnp.zeros((), jnp.float32)}))
+    frozen = state._replace(
+        inner_state=state.inner_state._replace(
+            hyperparams={**state.inner_state.hyperparams, "learning_rate": jnp.zeros((), jnp.float32)}
+        )
+    )
     updates, _ = jax.jit(tx.update)(jax.grad(loss)(params), frozen, params)
     chex.assert_trees_all_equal(optax.apply_updates(params, updates), params)
 
@@ -205,14 +210,18 @@ def test_orbax_restores_states_that_continue_identically(tmp_path):
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(tmp_path / "runs", runs)
     ckpt.wait_until_finished()
-    target = jax.eval_shape(lambda: {name: {"params": params, "opt_state": tx.init(params)} for name, tx in txs.items()})
+    target = jax.eval_shape(
+        lambda: {name: {"params": params, "opt_state": tx.init(params)} for name, tx in txs.items()}
+    )
     restored = ckpt.restore(tmp_path / "runs", target)
     chex.assert_trees_all_equal(restored, runs)
     for name, tx in txs.items():
         assert type(restored[name]["opt_state"]) is type(runs[name]["opt_state"])
         step = jax.jit(lambda p, s, tx=tx: tx.update(jax.grad(full_loss)(p), s, p))
         again, before = restored[name], runs[name]
-        chex.assert_trees_all_equal(step(again["params"], again["opt_state"]), step(before["params"], before["opt_state"]))
+        chex.assert_trees_all_equal(
+            step(again["params"], again["opt_state"]), step(before["params"], before["opt_state"])
+        )
 
 
 @pytest.mark.parametrize("name", TRANSFORMS)

@@ -58,8 +58,9 @@ def low_precision_values(dtype, n: int, rng: np.random.Generator) -> np.ndarray:
     bits = rng.integers(0, 2**16, n, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.finfo(dtype).dtype)
     values = bits[np.isfinite(as_f32(bits)) & normal_f32(bits, SMALLEST_PARAMETER)]
     powers = np.asarray(2.0 ** rng.integers(-12, 12, 256), dtype)
-    near = np.concatenate([np.nextafter(powers, np.asarray(0, dtype)), powers,
-                           np.nextafter(powers, np.asarray(np.inf, dtype))])
+    near = np.concatenate(
+        [np.nextafter(powers, np.asarray(0, dtype)), powers, np.nextafter(powers, np.asarray(np.inf, dtype))]
+    )
     return np.concatenate([values, near, -near]).astype(dtype)
 
 
@@ -69,6 +70,7 @@ def test_public_names():
 
 
 # -- rounding onto the grid ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_nearest_is_the_cast_bit_for_bit(dtype):
@@ -87,12 +89,11 @@ def test_nearest_is_the_cast_bit_for_bit(dtype):
 def test_stochastic_rounding_is_unbiased_and_stays_on_the_two_neighbours(dtype):
     """x between two neighbours (below and above powers of two, near zero, negative, float16 subnormals):
     the mean of n roundings differs from x by less than 5 standard errors of a coin with P(up) = fraction."""
-    lows = np.asarray([1.0, -1.0, 1.0 - 2**-8, 2.0 - 2**-7, -(2.0 - 2**-7), 2**-20, -(2**-20), 3.0, 1e-3],
-                      np.float32)
+    lows = np.asarray([1.0, -1.0, 1.0 - 2**-8, 2.0 - 2**-7, -(2.0 - 2**-7), 2**-20, -(2**-20), 3.0, 1e-3], np.float32)
     if dtype == jnp.float16:  # a subnormal, and the step from the smallest negative subnormal up to zero
         lows = np.append(lows, np.float32([2**-24 * 5, -(2**-24)]))
     lows = as_f32(np.asarray(lows, dtype))
-    fractions = np.asarray([0.5, 0.3, 0.01, 0.9, 0.77, 0.123, 0.5, 0.999, 0.25, 0.6, 0.4], np.float32)[:len(lows)]
+    fractions = np.asarray([0.5, 0.3, 0.01, 0.9, 0.77, 0.123, 0.5, 0.999, 0.25, 0.6, 0.4], np.float32)[: len(lows)]
     step = spacing(lows, dtype)
     x = lows + fractions * step
     n = 20_000
@@ -107,8 +108,12 @@ def test_stochastic_rounding_is_unbiased_and_stays_on_the_two_neighbours(dtype):
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_stochastic_rounding_keeps_values_of_the_format_and_passes_inf_and_nan(dtype):
     nan_payload = np.asarray(0x7F800001, np.uint32).view(np.float32)  # truncating its low bits would give inf
-    x = np.concatenate([as_f32(low_precision_values(dtype, 2000, np.random.default_rng(2))),
-                        np.asarray([np.inf, -np.inf, np.nan, nan_payload, 0.0, -0.0], np.float32)])
+    x = np.concatenate(
+        [
+            as_f32(low_precision_values(dtype, 2000, np.random.default_rng(2))),
+            np.asarray([np.inf, -np.inf, np.nan, nan_payload, 0.0, -0.0], np.float32),
+        ]
+    )
     out = jax.jit(grid.stochastic, static_argnums=1)(x, dtype, jax.random.uniform(jax.random.key(0), x.shape))
     assert same_bits(out, x).all()
 
@@ -119,13 +124,19 @@ def test_no_rounded_value_feeds_more_arithmetic_through_a_cast():
     tx = jamp.kahan_summation(optax.sgd(1e-3))
     params = {"w": jnp.ones(8, jnp.bfloat16), "h": jnp.ones(8, jnp.float16)}
     closed = jax.make_jaxpr(tx.update)(params, tx.init(params), params)
-    narrowing = {e.outvars[0] for e in eqns(closed) if e.primitive.name == "convert_element_type"
-                 and e.params["new_dtype"] in (jnp.bfloat16, jnp.float16) and e.invars[0].aval.dtype == jnp.float32}
+    narrowing = {
+        e.outvars[0]
+        for e in eqns(closed)
+        if e.primitive.name == "convert_element_type"
+        and e.params["new_dtype"] in (jnp.bfloat16, jnp.float16)
+        and e.invars[0].aval.dtype == jnp.float32
+    }
     assert len(narrowing) == 2  # the two buffers
     assert not narrowing & {v for e in eqns(closed) for v in e.invars if isinstance(v, jcore.Var)}
 
 
 # -- landing exactly through optax.apply_updates --------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_apply_updates_lands_exactly_on_the_new_value(dtype):
@@ -215,6 +226,7 @@ def test_kahan_tracks_a_float32_running_sum(dtype):
 
 # -- float32 parameters, the key, errors ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", TRANSFORMS)
 def test_float32_parameters_get_the_inner_updates_unchanged(name):
     params = {"w": jnp.linspace(-1, 1, 12, dtype=jnp.float32).reshape(3, 4), "b": jnp.ones(4, jnp.bfloat16)}
@@ -286,9 +298,11 @@ def test_bad_arguments_name_themselves(name):
     with pytest.raises(ValueError, match="state_dtype must be"):
         make(optax.adam(1e-3), state_dtype="nonsense")
     tx = make(optax.adam(1e-3))
-    for bad, shown in (({"w": jnp.ones(2, jnp.int32)}, r"params\['w'\] is int32"),
-                       ({"w": jnp.ones(2, jnp.float8_e4m3fn)}, r"params\['w'\] is float8_e4m3fn"),
-                       ({"w": [1.0]}, r"params\['w'\]\[0\] is 1.0")):
+    for bad, shown in (
+        ({"w": jnp.ones(2, jnp.int32)}, r"params\['w'\] is int32"),
+        ({"w": jnp.ones(2, jnp.float8_e4m3fn)}, r"params\['w'\] is float8_e4m3fn"),
+        ({"w": [1.0]}, r"params\['w'\]\[0\] is 1.0"),
+    ):
         with pytest.raises(TypeError, match=shown + ".*must be float16 or bfloat16"):
             tx.init(bad)
     params = {"w": jnp.ones(2, jnp.bfloat16)}
@@ -296,9 +310,17 @@ def test_bad_arguments_name_themselves(name):
         tx.update(params, tx.init(params))
 
 
-@pytest.mark.parametrize("seed,error,shown", [(0.5, TypeError, "0.5"), (True, TypeError, "True"),
-                                              ("0", TypeError, "'0'"), (jnp.int32(3), TypeError, "Array"),
-                                              (-1, ValueError, "-1"), (2**32, ValueError, "4294967296")])
+@pytest.mark.parametrize(
+    "seed,error,shown",
+    [
+        (0.5, TypeError, "0.5"),
+        (True, TypeError, "True"),
+        ("0", TypeError, "'0'"),
+        (jnp.int32(3), TypeError, "Array"),
+        (-1, ValueError, "-1"),
+        (2**32, ValueError, "4294967296"),
+    ],
+)
 def test_seed_must_be_a_small_int(seed, error, shown):
     with pytest.raises(error, match=f"seed must be an int.*got {shown}"):
         jamp.stochastic_rounding(optax.adam(1e-3), seed=seed)

@@ -36,25 +36,29 @@ def _qkv(shape, seed=0):
 @pytest.fixture
 def cuda_host(monkeypatch):
     """What jamp.nn and JAX read about the GPU, as on an H100 with cuDNN 9.10."""
-    monkeypatch.setattr(fused_attention_stablehlo, "cuda_versions",
-                        types.SimpleNamespace(cudnn_get_version=lambda: 91000))
+    monkeypatch.setattr(
+        fused_attention_stablehlo, "cuda_versions", types.SimpleNamespace(cudnn_get_version=lambda: 91000)
+    )
     monkeypatch.setattr(jamp_nn, "_cuda", lambda: jamp_nn._Cuda(91000, (9, 0)))
 
 
 def _cudnn_calls(fn, *args) -> dict:
-    """"forward"/"backward" -> the dtypes of the operands of cuDNN's fused attention (``__cudnn$fmha...``
+    """ "forward"/"backward" -> the dtypes of the operands of cuDNN's fused attention (``__cudnn$fmha...``
     custom calls; ``fmhaScaleBiasSoftmax`` with a mask or bias) in ``fn`` lowered for CUDA."""
     text = jc.lower_for_cuda(fn, *args).as_text()
     calls = re.findall(r"stablehlo\.custom_call @__cudnn\$fmha(\w+?)\(.*?\).*?: \((.*?)\) ->", text)
-    return {"backward" if target.endswith("Backward") else "forward": sorted(set(re.findall(r"x(bf16|f16|f32)>", ops)))
-            for target, ops in calls}
+    return {
+        "backward" if target.endswith("Backward") else "forward": sorted(set(re.findall(r"x(bf16|f16|f32)>", ops)))
+        for target, ops in calls
+    }
 
 
 @pytest.mark.parametrize("dtype,low", [("bf16", "bf16"), ("f16", "f16")])
 def test_float32_model_lowers_to_cudnn_flash_attention_under_autocast(cuda_host, dtype, low):
     q, k, v = _qkv((2, 16, 2, 32))
-    loss = jamp.autocast(lambda q, k, v: jnp.square(jamp.nn.dot_product_attention(q, k, v, is_causal=True)).sum(),
-                         dtype=dtype)
+    loss = jamp.autocast(
+        lambda q, k, v: jnp.square(jamp.nn.dot_product_attention(q, k, v, is_causal=True)).sum(), dtype=dtype
+    )
     calls = _cudnn_calls(jax.value_and_grad(loss, argnums=(0, 1, 2)), q, k, v)
     # q, k, v (and the output and its cotangent backward) in the compute dtype; the softmax statistics float32
     assert calls["forward"] == [low]
@@ -73,8 +77,9 @@ def test_outside_autocast_the_float32_call_runs_as_written(cuda_host):
 
 def test_an_explicit_implementation_is_honoured_under_autocast(cuda_host):
     q, k, v = _qkv((2, 8, 2, 48))
-    closed = jax.make_jaxpr(jamp.autocast(lambda q, k, v: jamp.nn.dot_product_attention(q, k, v, implementation="xla"),
-                                          dtype="bf16"))(q, k, v)
+    closed = jax.make_jaxpr(
+        jamp.autocast(lambda q, k, v: jamp.nn.dot_product_attention(q, k, v, implementation="xla"), dtype="bf16")
+    )(q, k, v)
     assert not any("dot_product_attention_fwd" in e.primitive.name for e in eqns(closed))
 
 
@@ -83,8 +88,11 @@ def test_cpu_runs_xla_attention_with_low_precision_matmuls_and_float32_logits():
     amp = jamp.autocast(lambda q, k, v: jamp.nn.dot_product_attention(q, k, v, is_causal=True), dtype="bf16")
     expected = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))(q, k, v)
     np.testing.assert_allclose(amp(q, k, v), expected, atol=0.03)
-    dots = [(tuple(str(v.aval.dtype) for v in e.invars), str(e.outvars[0].aval.dtype))
-            for e in eqns(jax.make_jaxpr(amp)(q, k, v)) if e.primitive.name == "dot_general"]
+    dots = [
+        (tuple(str(v.aval.dtype) for v in e.invars), str(e.outvars[0].aval.dtype))
+        for e in eqns(jax.make_jaxpr(amp)(q, k, v))
+        if e.primitive.name == "dot_general"
+    ]
     assert dots == [(("bfloat16", "bfloat16"), "float32"), (("bfloat16", "bfloat16"), "bfloat16")]
     assert _attention_jits(jax.make_jaxpr(amp)(q, k, v)) == [["bfloat16"] * 3]
 
@@ -94,13 +102,25 @@ def test_backward_attention_matmuls_run_in_the_compute_dtype():
     gradient in bfloat16, not float32 x bfloat16 (which XLA runs as a float32 matmul)."""
     q, k, v = _qkv((2, 8, 2, 16))
     amp = jamp.autocast(lambda q, k, v: jnp.sum(jamp.nn.dot_product_attention(q, k, v) ** 2), dtype="bf16")
-    saving_dots = jamp.autocast(jax.checkpoint(lambda q, k, v: jnp.sum(jamp.nn.dot_product_attention(q, k, v) ** 2),
-                                               policy=jax.checkpoint_policies.dots_saveable), dtype="bf16")
+    saving_dots = jamp.autocast(
+        jax.checkpoint(
+            lambda q, k, v: jnp.sum(jamp.nn.dot_product_attention(q, k, v) ** 2),
+            policy=jax.checkpoint_policies.dots_saveable,
+        ),
+        dtype="bf16",
+    )
     for f in (amp, saving_dots):  # a remat policy that saves dots keeps the logits: computed once
-        dots = [(tuple(str(x.aval.dtype) for x in e.invars), str(e.outvars[0].aval.dtype))
-                for e in eqns(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)) if e.primitive.name == "dot_general"]
-        assert sorted(dots) == sorted([(("bfloat16", "bfloat16"), "float32")] + [(("bfloat16", "bfloat16"), "bfloat16")] * 5)
-    reference = jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+        dots = [
+            (tuple(str(x.aval.dtype) for x in e.invars), str(e.outvars[0].aval.dtype))
+            for e in eqns(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v))
+            if e.primitive.name == "dot_general"
+        ]
+        assert sorted(dots) == sorted(
+            [(("bfloat16", "bfloat16"), "float32")] + [(("bfloat16", "bfloat16"), "bfloat16")] * 5
+        )
+    reference = jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v) ** 2), argnums=(0, 1, 2))(
+        q, k, v
+    )
     forward_mode = jax.jacfwd(amp, argnums=(0, 1, 2))(q, k, v)  # forward-mode differentiation too
     for g, f, r in zip(jax.grad(amp, argnums=(0, 1, 2))(q, k, v), forward_mode, reference):
         np.testing.assert_allclose(g, r, atol=0.03 * float(jnp.abs(r).max()))
@@ -109,6 +129,7 @@ def test_backward_attention_matmuls_run_in_the_compute_dtype():
 
 def _second_order(implementation):
     """The gradient of a gradient norm (a gradient penalty) through the attention, under autocast."""
+
     def loss(q, k, v):
         return jnp.sum(jamp.nn.dot_product_attention(q, k, v, implementation=implementation) ** 2)
 
@@ -120,8 +141,9 @@ def test_second_derivative_on_cpu_and_xla_on_a_cuda_host(request):
     """A second derivative through the recorded call (XLA's implementation on a CPU); on a CUDA host
     cuDNN's kernel, picked by default, has none, and implementation="xla" (as the docs say) gives one."""
     q, k, v = _qkv((2, 8, 2, 16))
-    reference = jax.grad(lambda q: jnp.sum(jax.grad(
-        lambda q: jnp.sum(jax.nn.dot_product_attention(q, k, v) ** 2))(q) ** 2))(q)
+    reference = jax.grad(
+        lambda q: jnp.sum(jax.grad(lambda q: jnp.sum(jax.nn.dot_product_attention(q, k, v) ** 2))(q) ** 2)
+    )(q)
     np.testing.assert_allclose(_second_order(None)(q, k, v), reference, atol=0.03 * float(jnp.abs(reference).max()))
     request.getfixturevalue("cuda_host")
     q, k, v = _qkv((2, 8, 2, 56))  # shapes no other test traces attention with
@@ -163,9 +185,13 @@ def test_cudnn_refusal_reads_jax_conditions(monkeypatch, case):
 
 # -- flax and Equinox ----------------------------------------------------------------------------------
 
+
 def _attention_jits(closed) -> list:
-    return [[str(v.aval.dtype) for v in e.invars] for e in eqns(closed)
-            if e.primitive.name == "jit" and e.params["name"] == "dot_product_attention"]
+    return [
+        [str(v.aval.dtype) for v in e.invars]
+        for e in eqns(closed)
+        if e.primitive.name == "jit" and e.params["name"] == "dot_product_attention"
+    ]
 
 
 def _linen(shape, attention_fn=jamp.nn.flax_dot_product_attention):
@@ -179,8 +205,9 @@ def test_linen_attention_module_with_float32_params():
     module, params, x, mask = _linen((2, 8, 16))
     reference = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)  # flax's own attention
     expected = jax.jit(lambda p, x, mask: reference.apply(p, x, x, mask=mask))(params, x, mask)
-    np.testing.assert_allclose(jax.jit(lambda p, x, mask: module.apply(p, x, x, mask=mask))(params, x, mask),
-                               expected, atol=1e-5)
+    np.testing.assert_allclose(
+        jax.jit(lambda p, x, mask: module.apply(p, x, x, mask=mask))(params, x, mask), expected, atol=1e-5
+    )
     amp = jamp.autocast(lambda p, x, mask: module.apply(p, x, x, mask=mask), dtype="bf16")
     np.testing.assert_allclose(amp(params, x, mask), expected, atol=0.05)
     assert _attention_jits(jax.make_jaxpr(amp)(params, x, mask)) == [["bfloat16"] * 3 + ["bool"]]
@@ -193,8 +220,14 @@ def test_linen_attention_module_lowers_to_cudnn(cuda_host):
 
 
 def _nnx(features, attention_fn=jamp.nn.flax_dot_product_attention):
-    return nnx.MultiHeadAttention(num_heads=2, in_features=features, qkv_features=features, decode=False,
-                                  attention_fn=attention_fn, rngs=nnx.Rngs(0))
+    return nnx.MultiHeadAttention(
+        num_heads=2,
+        in_features=features,
+        qkv_features=features,
+        decode=False,
+        attention_fn=attention_fn,
+        rngs=nnx.Rngs(0),
+    )
 
 
 @pytest.mark.parametrize("cuda", [False, True])
@@ -229,10 +262,20 @@ def test_equinox_multihead_attention_with_float32_params():
 @pytest.mark.parametrize("qk_size,vo_size", [(8, 24), (24, 8)])
 def test_equinox_query_key_and_value_heads_of_different_sizes(qk_size, vo_size):
     """Equinox allows qk_size != vo_size (torch's SDPA too); jax.nn's attention takes one head size."""
-    mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=16, key_size=12, value_size=20, output_size=16,
-                                    qk_size=qk_size, vo_size=vo_size, key=jax.random.key(0))
-    q, k, v = (jax.random.normal(key, (n, d)) for key, n, d in zip(jax.random.split(jax.random.key(1), 3),
-                                                                   (8, 6, 6), (16, 12, 20)))
+    mha = eqx.nn.MultiheadAttention(
+        num_heads=2,
+        query_size=16,
+        key_size=12,
+        value_size=20,
+        output_size=16,
+        qk_size=qk_size,
+        vo_size=vo_size,
+        key=jax.random.key(0),
+    )
+    q, k, v = (
+        jax.random.normal(key, (n, d))
+        for key, n, d in zip(jax.random.split(jax.random.key(1), 3), (8, 6, 6), (16, 12, 20))
+    )
     mask = jnp.ones((8, 6), bool).at[:, 4:].set(False)
     expected = eqx.filter_jit(lambda mha: mha(q, k, v, mask))(mha)
     fused = eqx.filter_jit(lambda mha: jamp.nn.equinox_multihead_attention(mha, q, k, v, mask))(mha)
@@ -246,17 +289,24 @@ def test_equinox_dropout_on_the_weights_is_refused_outside_inference():
     x = jnp.ones((4, 16))
     with pytest.raises(ValueError, match=r"dropout \(p=0.1\) acts on the attention weights"):
         jamp.nn.equinox_multihead_attention(mha, x, x, x, key=jax.random.key(1))
-    fused, expected = (eqx.filter_jit(f)(mha, x) for f in (
-        lambda mha, x: jamp.nn.equinox_multihead_attention(mha, x, x, x, inference=True),
-        lambda mha, x: mha(x, x, x, inference=True)))
+    fused, expected = (
+        eqx.filter_jit(f)(mha, x)
+        for f in (
+            lambda mha, x: jamp.nn.equinox_multihead_attention(mha, x, x, x, inference=True),
+            lambda mha, x: mha(x, x, x, inference=True),
+        )
+    )
     np.testing.assert_allclose(fused, expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"dropout_rate": 0.1}, "dropout_rate=0.1 with deterministic=False"),
-    ({"module": object()}, "sowing the attention weights"),
-    ({"qk_attn_weights_einsum": jnp.einsum}, "qk_attn_weights_einsum replaces an einsum"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"dropout_rate": 0.1}, "dropout_rate=0.1 with deterministic=False"),
+        ({"module": object()}, "sowing the attention weights"),
+        ({"qk_attn_weights_einsum": jnp.einsum}, "qk_attn_weights_einsum replaces an einsum"),
+    ],
+)
 def test_flax_adapter_refuses_what_fused_attention_cannot_do(kwargs, match):
     q = jnp.ones((1, 4, 2, 8))
     with pytest.raises(ValueError, match=match):
@@ -268,5 +318,6 @@ def test_flax_adapter_takes_several_batch_dimensions_and_dtype():
     mask = jnp.tril(jnp.ones((8, 8)))[None, None, None]  # broadcast over both batch dimensions and the heads
     out = jax.jit(lambda q, k, v: jamp.nn.flax_dot_product_attention(q, k, v, mask=mask, dtype=jnp.bfloat16))(q, k, v)
     assert out.shape == q.shape and out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(out, jax.jit(lambda q, k, v: nn.dot_product_attention(q, k, v, mask=mask))(q, k, v),
-                               atol=0.03)
+    np.testing.assert_allclose(
+        out, jax.jit(lambda q, k, v: nn.dot_product_attention(q, k, v, mask=mask))(q, k, v), atol=0.03
+    )

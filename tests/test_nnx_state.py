@@ -56,8 +56,11 @@ def test_issue_repro_batchnorm_statistics_move_eagerly():
 @pytest.mark.parametrize("form", ["eager", "nnx.jit", "jax.jit of the call inside nnx.jit"])
 def test_module_argument_writes_statistics_and_rng_counts(form):
     model, reference = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
-    call = {"eager": AMP_CALL, "nnx.jit": nnx.jit(AMP_CALL),
-            "jax.jit of the call inside nnx.jit": nnx.jit(lambda m, x: AMP_CALL(m, x))}[form]
+    call = {
+        "eager": AMP_CALL,
+        "nnx.jit": nnx.jit(AMP_CALL),
+        "jax.jit of the call inside nnx.jit": nnx.jit(lambda m, x: AMP_CALL(m, x)),
+    }[form]
     first, second = call(model, X), call(model, X)
     nnx.jit(lambda m, x: m(x))(reference, X)
     nnx.jit(lambda m, x: m(x))(reference, X)
@@ -80,16 +83,21 @@ def test_value_and_grad_around_autocast_writes_back_and_matches_float32():
 @pytest.mark.parametrize("where", ["autocast around the loss", "autocast inside the loss"])
 def test_training_under_nnx_jit_keeps_eval_loss_at_float32s(where):
     """The issue's symptom: with the running statistics frozen, eval loss ended 3-4% off float32."""
+
     def make_step(loss):
         @nnx.jit
         def step(model, optimizer, x, y):
             value, grads = nnx.value_and_grad(loss)(model, x, y)
             optimizer.update(model, grads)
             return value
+
         return step
 
-    amp_loss = (jamp.autocast(loss_fn, device_type="gpu") if where == "autocast around the loss"
-                else lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(AMP_CALL(m, x), y).mean())
+    amp_loss = (
+        jamp.autocast(loss_fn, device_type="gpu")
+        if where == "autocast around the loss"
+        else lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(AMP_CALL(m, x), y).mean()
+    )
     x = jax.random.normal(jax.random.key(3), (256, 8)) * 2.0 + 1.0
     y = jnp.argmax(x[:, :4], -1)
     losses = {}
@@ -147,8 +155,9 @@ def _scan(body):
     return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
 
 
-@pytest.mark.parametrize("form", ["nnx.scan over autocast", "autocast over nnx.scan", "nnx.remat",
-                                  "autocast(block) inside nnx.scan"])
+@pytest.mark.parametrize(
+    "form", ["nnx.scan over autocast", "autocast over nnx.scan", "nnx.remat", "autocast(block) inside nnx.scan"]
+)
 def test_scan_and_remat_forms(form):
     x = jax.random.normal(jax.random.key(4), (32, 16)) + 1.0
     ours, reference = _stack(jax.random.split(jax.random.key(0), 3)), _stack(jax.random.split(jax.random.key(0), 3))
@@ -184,4 +193,7 @@ def test_argument_writes_are_in_the_traced_program_once():
     out, writes = jax.tree.unflatten(out_tree, closed.out_avals)
     assert out.dtype == jnp.float32
     assert {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(writes)} == {
-        "0/bn/mean", "0/bn/var", "0/drop/rngs/count"}  # node 0, the model
+        "0/bn/mean",
+        "0/bn/var",
+        "0/drop/rngs/count",
+    }  # node 0, the model

@@ -56,13 +56,15 @@ class Recorder(nnx.Module):
     def __call__(self, x):
         h = self.lin(x)
         value = self.seen.get_value()
-        self.seen.set_value({"last": h, **value} if isinstance(value, dict)
-                            else None if value is not None else h)
+        self.seen.set_value({"last": h, **value} if isinstance(value, dict) else None if value is not None else h)
         return h
 
 
-@pytest.mark.parametrize("start", [None, jnp.ones(()), {"first": jnp.ones(())}],
-                         ids=["filled from None", "emptied to None", "given a new key"])
+@pytest.mark.parametrize(
+    "start",
+    [None, jnp.ones(()), {"first": jnp.ones(())}],
+    ids=["filled from None", "emptied to None", "given a new key"],
+)
 @pytest.mark.parametrize("form", ["eager", "nnx.jit"])
 def test_a_variable_whose_value_changes_structure_is_written_back(start, form):
     ours, reference = Recorder(start), Recorder(start)
@@ -101,8 +103,11 @@ def test_train_and_eval_toggles_between_calls_reach_the_traced_program():
     module_call = jamp.autocast(by_module, device_type="gpu")
     for mode in ("train", "eval", "train", "eval"):
         outs = []
-        for model, call in ((by_argument, lambda x: AMP_CALL(by_argument, x)), (by_module, module_call),
-                            (reference, lambda x: REFERENCE(reference, x))):
+        for model, call in (
+            (by_argument, lambda x: AMP_CALL(by_argument, x)),
+            (by_module, module_call),
+            (reference, lambda x: REFERENCE(reference, x)),
+        ):
             getattr(model, mode)()
             outs.append(call(X))
         np.testing.assert_allclose(outs[0], outs[2], rtol=2e-2, atol=1e-2)
@@ -115,6 +120,7 @@ def test_train_and_eval_toggles_between_calls_reach_the_traced_program():
 
 def test_functional_split_merge_with_filters_under_jax_jit():
     """The functional form: ``nnx.split(model, nnx.Param, ...)``, merged inside ``jax.jit``, statistics out."""
+
     @jax.jit
     def forward(params, rest, x):
         model = nnx.merge(graphdef, params, rest)
@@ -137,6 +143,7 @@ def make_ensemble(rngs):
 
 def test_vmap_ensemble_with_batchnorm_and_dropout():
     """The NNX ensemble: members made with split RNG streams, one shared input (``in_axes=(0, None)``)."""
+
     def ensemble(call):
         return nnx.vmap(call, in_axes=(0, None), out_axes=0)
 
@@ -152,13 +159,15 @@ def test_vmap_ensemble_with_batchnorm_and_dropout():
 
 def test_attention_decode_cache_advances_under_autocast():
     """``nnx.MultiHeadAttention(decode=True)``: each call writes a step into the float32 key/value cache."""
-    ours, reference = (nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8, decode=True,
-                                              rngs=nnx.Rngs(0)) for _ in range(2))
+    ours, reference = (
+        nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8, decode=True, rngs=nnx.Rngs(0))
+        for _ in range(2)
+    )
     seq = jax.random.normal(jax.random.key(3), (2, 3, 8))
     for model in (ours, reference):
         model.init_cache(seq.shape)
     for t in range(3):
-        out, ref_out = AMP_CALL(ours, seq[:, t:t + 1]), REFERENCE(reference, seq[:, t:t + 1])
+        out, ref_out = AMP_CALL(ours, seq[:, t : t + 1]), REFERENCE(reference, seq[:, t : t + 1])
         np.testing.assert_allclose(out, ref_out, rtol=2e-2, atol=1e-2)
     assert int(ours.cache_index[...]) == 3 and ours.cached_key[...].dtype == jnp.float32
     assert_state_like(ours, reference)
@@ -188,7 +197,7 @@ def test_nnx_optimizer_around_the_scaler_in_a_float16_train_step():
         model = Net(nnx.Rngs(params=0, dropout=1), rate=0.1)
         optimizer = nnx.Optimizer(model, jamp.scaler(optax.adamw(1e-2)), wrt=nnx.Param)
         runs[autocast] = [float(train_step(model, optimizer, x, y, autocast)) for _ in range(3)]
-        assert float(jamp.get_scale(optimizer.opt_state)) == 2.0 ** 16 and int(optimizer.step[...]) == 3
+        assert float(jamp.get_scale(optimizer.opt_state)) == 2.0**16 and int(optimizer.step[...]) == 3
         assert int(model.drop.rngs.count[...]) == 3 and float(jnp.abs(model.bn.mean[...]).max()) > 0
     np.testing.assert_allclose(runs[True], runs[False], rtol=1e-2)
     assert runs[True][-1] < runs[True][0]

@@ -17,9 +17,9 @@ from jamp.casting import oplists
 
 
 def installed_primitive_names():
-    import jax._src.lax.fft  # noqa: F401
-    import jax._src.lax.linalg  # noqa: F401
-    import jax._src.lax.special  # noqa: F401
+    import jax._src.lax.fft
+    import jax._src.lax.linalg
+    import jax._src.lax.special
     import jax.random  # noqa: F401
 
     return {o.name for o in gc.get_objects() if isinstance(o, jcore.Primitive)}
@@ -47,25 +47,37 @@ def assert_params(eqn, name: str, params: list[str]) -> None:
     """Name the primitive and parameter that moved, so a new JAX release says what to change in _jax_compat."""
     assert eqn is not None, f"jax {jax.__version__} staged no {name!r} equation (jamp/_jax_compat.py names it)"
     missing = [p for p in params if p not in eqn.params]
-    assert not missing, (f"jax {jax.__version__}: primitive {name!r} has no parameter {missing} that jamp reads "
-                         f"(it has {sorted(eqn.params)}); update jamp/_jax_compat.py")
+    assert not missing, (
+        f"jax {jax.__version__}: primitive {name!r} has no parameter {missing} that jamp reads "
+        f"(it has {sorted(eqn.params)}); update jamp/_jax_compat.py"
+    )
 
 
 def first_eqn(closed, name: str):
     return next((e for e in closed.jaxpr.eqns if e.primitive.name == name), None)
 
 
-@pytest.mark.parametrize("fun,name,params", [
-    (lambda x: jax.jit(jnp.sin)(x), jc.JIT, [jc.JIT_JAXPR, jc.JIT_NAME]),
-    (lambda x: jax.lax.scan(lambda c, _: (c, None), x, None, length=2)[0], jc.SCAN, [jc.SCAN_JAXPR]),
-    (lambda x: jax.lax.while_loop(lambda c: c.sum() < 0, lambda c: c, x), jc.WHILE, [jc.WHILE_COND, jc.WHILE_BODY]),
-    (lambda x: jax.lax.cond(True, jnp.sin, jnp.cos, x), jc.COND, [jc.COND_BRANCHES]),
-    (lambda x: jax.checkpoint(jnp.sin)(x), jc.REMAT, [jc.REMAT_JAXPR]),
-    (lambda x: jax.nn.relu(x), jc.CUSTOM_JVP, [jc.CALL_JAXPR, jc.JVP_THUNK, jc.NUM_CONSTS]),
-    (lambda x: jax.shard_map(jnp.sin, mesh=jax.make_mesh((1,), ("d",), axis_types=(AxisType.Auto,)),
-                             in_specs=P("d"), out_specs=P("d"))(x),
-     jc.SHARD_MAP, [jc.SHARD_MAP_JAXPR, jc.SHARD_MAP_OUT_SPECS]),
-])
+@pytest.mark.parametrize(
+    "fun,name,params",
+    [
+        (lambda x: jax.jit(jnp.sin)(x), jc.JIT, [jc.JIT_JAXPR, jc.JIT_NAME]),
+        (lambda x: jax.lax.scan(lambda c, _: (c, None), x, None, length=2)[0], jc.SCAN, [jc.SCAN_JAXPR]),
+        (lambda x: jax.lax.while_loop(lambda c: c.sum() < 0, lambda c: c, x), jc.WHILE, [jc.WHILE_COND, jc.WHILE_BODY]),
+        (lambda x: jax.lax.cond(True, jnp.sin, jnp.cos, x), jc.COND, [jc.COND_BRANCHES]),
+        (lambda x: jax.checkpoint(jnp.sin)(x), jc.REMAT, [jc.REMAT_JAXPR]),
+        (lambda x: jax.nn.relu(x), jc.CUSTOM_JVP, [jc.CALL_JAXPR, jc.JVP_THUNK, jc.NUM_CONSTS]),
+        (
+            lambda x: jax.shard_map(
+                jnp.sin,
+                mesh=jax.make_mesh((1,), ("d",), axis_types=(AxisType.Auto,)),
+                in_specs=P("d"),
+                out_specs=P("d"),
+            )(x),
+            jc.SHARD_MAP,
+            [jc.SHARD_MAP_JAXPR, jc.SHARD_MAP_OUT_SPECS],
+        ),
+    ],
+)
 def test_higher_order_primitive_parameters(fun, name, params):
     assert_params(first_eqn(jax.make_jaxpr(fun)(jnp.ones(3)), name), name, params)
 
@@ -92,7 +104,8 @@ def test_custom_vjp_bwd_protocol():
     cts, _ = jc.split_bwd_result(result)
     assert len(cts) == 1 and float(cts[0]) == 2.0, (
         f"jax {jax.__version__}: a custom_vjp bwd returned {result!r}; jc.BWD_RETURNS_LOGS={jc.BWD_RETURNS_LOGS} "
-        "does not describe it")
+        "does not describe it"
+    )
 
 
 def test_jit_body_is_the_object_the_equation_holds():
@@ -101,7 +114,8 @@ def test_jit_body_is_the_object_the_equation_holds():
     eqn = first_eqn(jax.make_jaxpr(lambda x: jitted(x) + jitted(x))(1.0), jc.JIT)
     assert eqn.params[jc.JIT_JAXPR] is body, (
         f"jax {jax.__version__}: jitted.trace(...).jaxpr is not the {jc.JIT_JAXPR!r} parameter of the equation; "
-        "jamp/_jax_compat.py jit_body must find it another way")
+        "jamp/_jax_compat.py jit_body must find it another way"
+    )
 
 
 def test_builtin_policies_are_built_from_the_tables():

@@ -114,8 +114,9 @@ def test_explain_renders_and_exports():
 
 def test_explain_sees_inside_higher_order_primitives_and_grad():
     def loss(p, x):
-        return jax.lax.scan(lambda c, _: (jnp.tanh(Block().apply(p, c)) @ jnp.ones((4, 8)), None), x, None,
-                            length=2)[0].sum()
+        return jax.lax.scan(lambda c, _: (jnp.tanh(Block().apply(p, c)) @ jnp.ones((4, 8)), None), x, None, length=2)[
+            0
+        ].sum()
 
     report = jamp.explain(jax.grad(loss), dtype="bf16")(PARAMS, X)
     dots = [r for r in report.rows if r.primitive == "dot_general"]
@@ -175,7 +176,7 @@ def test_find_overflow_in_the_backward_pass():
 
 
 def test_find_overflow_underflow():
-    f = lambda w, x: (x * 1e-5) @ w  # noqa: E731
+    f = lambda w, x: (x * 1e-5) @ w
     w = jnp.ones((8, 8)) * 1e-5
     finding = jamp.find_overflow(f, device_type="gpu")(w, X)
     assert finding.kind == "underflow" and finding.primitive == "dot_general"
@@ -189,8 +190,7 @@ def test_find_overflow_rejects_bad_threshold():
 
 def test_linen_module_path_rules_innermost_wins():
     policy = jamp.get_policy("cpu").with_rules({"Block*": "float32", "*/lm_head": "autocast"})
-    assert dtypes_of(jamp.autocast(Block().apply, policy=policy), PARAMS, X) == [
-        ("float32",) * 3, ("bfloat16",) * 3]
+    assert dtypes_of(jamp.autocast(Block().apply, policy=policy), PARAMS, X) == [("float32",) * 3, ("bfloat16",) * 3]
 
 
 class NNXModel(nnx.Module):
@@ -207,7 +207,7 @@ class NNXModel(nnx.Module):
 def test_nnx_region_rule_by_name_scope_and_by_nested_autocast():
     model = NNXModel(nnx.Rngs(0))
     graphdef, state = nnx.split(model)
-    apply = lambda s, x: nnx.merge(graphdef, s)(x)  # noqa: E731
+    apply = lambda s, x: nnx.merge(graphdef, s)(x)
     policy = jamp.get_policy("cpu").with_rules({"head": "float32"})
     assert dtypes_of(jamp.autocast(apply, policy=policy), state, X) == [("bfloat16",) * 3, ("float32",) * 3]
 
@@ -229,12 +229,13 @@ def test_explain_and_find_overflow_walk_literal_values():
 
     matmul_flagged.defvjp(lambda h, w: (matmul_flagged(h, w), (h, w)), lambda r, ct: (ct[0] @ r[1].T, r[0].T @ ct[0]))
     mesh = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])
-    flagged = lambda h, w: (h @ w, jnp.array(False), jnp.float32(1.5))  # noqa: E731
+    flagged = lambda h, w: (h @ w, jnp.array(False), jnp.float32(1.5))
 
     def f(w, x):
         h, a, _ = jax.lax.cond(x.sum() > 0, flagged, lambda h, w: (h, jnp.array(True), jnp.float32(2.5)), x, w)
-        (h, b, _), _ = jax.lax.scan(lambda c, _: (flagged(c[0], w), jnp.array(True)), (h, a, jnp.float32(0)),
-                                    None, length=2)
+        (h, b, _), _ = jax.lax.scan(
+            lambda c, _: (flagged(c[0], w), jnp.array(True)), (h, a, jnp.float32(0)), None, length=2
+        )
         h, c, _ = jax.lax.while_loop(lambda c: c[1], lambda c: flagged(c[0], w), (h, b, jnp.float32(0)))
         h, d = matmul_flagged(h, w)
         h, e, _ = jax.jit(flagged)(h, w)

@@ -65,6 +65,7 @@ def test_layers_share_cached_ops_and_values_match():
 
 def test_literals_of_different_types_are_different_ops():
     """``x * 2``, ``x * 2.0`` and ``x * True`` bind different literals: no cached op stands for another."""
+
     def f(x):
         i = (x > 0).astype(jnp.int32)
         return jnp.sum(x * 2.0) + jnp.sum(i * 2).astype(jnp.float32) + jnp.sum(jnp.logical_and(x > 0, True))

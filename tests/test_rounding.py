@@ -15,8 +15,11 @@ import jamp
 from jamp.casting import rounding
 
 LOW_DTYPES = (jnp.bfloat16, jnp.float16)
-POLICIES = {"cpu": {"device_type": "cpu"}, "gpu": {"device_type": "gpu"},
-            "gpu-bfloat16": {"device_type": "gpu", "dtype": jnp.bfloat16}}
+POLICIES = {
+    "cpu": {"device_type": "cpu"},
+    "gpu": {"device_type": "gpu"},
+    "gpu-bfloat16": {"device_type": "gpu", "dtype": jnp.bfloat16},
+}
 
 
 def _jaxprs(closed):
@@ -39,17 +42,28 @@ def _widening_reads(closed) -> list[tuple]:
                 if isinstance(v, jcore.Var):
                     readers.setdefault(v, []).append(e)
         for e in jaxpr.eqns:
-            if (e.primitive.name == "convert_element_type" and e.invars[0].aval.dtype in LOW_DTYPES
-                    and e.outvars[0].aval.dtype == jnp.float32):
-                reads.append((e.invars[0].aval.dtype, [(r.primitive.name, r.params, readers.get(r.outvars[0], []))
-                                                       for r in readers.get(e.outvars[0], [])]))
+            if (
+                e.primitive.name == "convert_element_type"
+                and e.invars[0].aval.dtype in LOW_DTYPES
+                and e.outvars[0].aval.dtype == jnp.float32
+            ):
+                reads.append(
+                    (
+                        e.invars[0].aval.dtype,
+                        [
+                            (r.primitive.name, r.params, readers.get(r.outvars[0], []))
+                            for r in readers.get(e.outvars[0], [])
+                        ],
+                    )
+                )
     return reads
 
 
 def _rounds_back(readers: list, dtype) -> bool:
     """Only converted back to ``dtype``: the same number whether XLA kept the value's rounding or not."""
-    return bool(readers) and all(r.primitive.name == "convert_element_type" and r.params["new_dtype"] == dtype
-                                 for r in readers)
+    return bool(readers) and all(
+        r.primitive.name == "convert_element_type" and r.params["new_dtype"] == dtype for r in readers
+    )
 
 
 class _Block(nn.Module):
@@ -76,11 +90,17 @@ def test_every_float32_read_of_a_low_precision_value_rounds_explicitly(policy):
 
     closed = jax.make_jaxpr(jamp.autocast(loss, **POLICIES[policy]))(params, x, jnp.zeros((2, 16), jnp.int32))
     reads = _widening_reads(closed)
-    rounded = [dtype for dtype, readers in reads
-               if [(name, params.get("exponent_bits"), params.get("mantissa_bits")) for name, params, _ in readers]
-               == [("reduce_precision", *rounding.ROUNDING_BITS[np.dtype(dtype)])]]
-    broadcast_back = [dtype for dtype, readers in reads
-                      if all(name == "broadcast_in_dim" and _rounds_back(after, dtype) for name, _, after in readers)]
+    rounded = [
+        dtype
+        for dtype, readers in reads
+        if [(name, params.get("exponent_bits"), params.get("mantissa_bits")) for name, params, _ in readers]
+        == [("reduce_precision", *rounding.ROUNDING_BITS[np.dtype(dtype)])]
+    ]
+    broadcast_back = [
+        dtype
+        for dtype, readers in reads
+        if all(name == "broadcast_in_dim" and _rounds_back(after, dtype) for name, _, after in readers)
+    ]
     assert len(rounded) >= 3  # the residual add before the second LayerNorm, the softmax or logits, the loss
     assert len(rounded) + len(broadcast_back) == len(reads), reads
 
@@ -109,8 +129,9 @@ def test_reading_changes_no_low_precision_number(dtype):
 
 def _float32_values() -> np.ndarray:
     rng = np.random.default_rng(0)
-    return np.concatenate([rng.standard_normal(20000).astype(np.float32) * scale
-                           for scale in (1e-30, 1e-6, 1e-4, 1.0, 1e3, 6e4, 1e30)])
+    return np.concatenate(
+        [rng.standard_normal(20000).astype(np.float32) * scale for scale in (1e-30, 1e-6, 1e-4, 1.0, 1e3, 6e4, 1e30)]
+    )
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)

@@ -35,8 +35,18 @@ def grads_with(opt_state, poison=None, params=PARAMS):
 
 
 def test_public_names():
-    for name in ("scaler", "ScalerState", "scale", "get_scale", "found_inf", "set_scale", "state_dict",
-                 "load_state_dict", "value_and_grad", "from_restored"):
+    for name in (
+        "scaler",
+        "ScalerState",
+        "scale",
+        "get_scale",
+        "found_inf",
+        "set_scale",
+        "state_dict",
+        "load_state_dict",
+        "value_and_grad",
+        "from_restored",
+    ):
         assert name in jamp.__all__ and hasattr(jamp, name)
 
 
@@ -47,10 +57,17 @@ def test_returns_extra_args_transformation_and_state():
     assert isinstance(st, jamp.ScalerState)
     fields = {k: (v.dtype, v.shape) for k, v in st._asdict().items() if k != "inner_state"}
     assert fields == {
-        "scale": (jnp.float32, ()), "growth_tracker": (jnp.int32, ()), "growth_factor": (jnp.uint32, (2,)),
-        "backoff_factor": (jnp.uint32, (2,)), "growth_interval": (jnp.int32, ()), "min_scale": (jnp.float32, ()),
-        "max_scale": (jnp.float32, ()), "found_inf": (jnp.bool_, ()), "consecutive_skips": (jnp.int32, ()),
-        "warned": (jnp.bool_, ())}
+        "scale": (jnp.float32, ()),
+        "growth_tracker": (jnp.int32, ()),
+        "growth_factor": (jnp.uint32, (2,)),
+        "backoff_factor": (jnp.uint32, (2,)),
+        "growth_interval": (jnp.int32, ()),
+        "min_scale": (jnp.float32, ()),
+        "max_scale": (jnp.float32, ()),
+        "found_inf": (jnp.bool_, ()),
+        "consecutive_skips": (jnp.int32, ()),
+        "warned": (jnp.bool_, ()),
+    }
     assert (float(st.scale), int(st.growth_interval), bool(st.found_inf)) == (65536.0, 2000, False)
     assert (int(st.consecutive_skips), bool(st.warned)) == (0, False)
 
@@ -71,20 +88,32 @@ def test_inner_must_be_a_gradient_transformation(bad):
 
 
 BAD = [
-    ("growth_factor", 1.0, ValueError, "> 1.0"), ("growth_factor", 0.5, ValueError, "> 1.0"),
-    ("growth_factor", math.inf, ValueError, "finite"), ("growth_factor", math.nan, ValueError, "> 1.0"),
-    ("growth_factor", "2", TypeError, "real number"), ("growth_factor", True, TypeError, "real number"),
-    ("backoff_factor", 0.0, ValueError, r"\(0, 1\)"), ("backoff_factor", 1.0, ValueError, r"\(0, 1\)"),
-    ("backoff_factor", -0.5, ValueError, r"\(0, 1\)"), ("backoff_factor", math.nan, ValueError, r"\(0, 1\)"),
-    ("init_scale", 0.0, ValueError, "> 0"), ("init_scale", -1.0, ValueError, "> 0"),
-    ("init_scale", math.inf, ValueError, "finite"), ("init_scale", math.nan, ValueError, "finite"),
-    ("init_scale", 1e39, ValueError, "in float32"), ("init_scale", 1e-50, ValueError, "in float32"),
+    ("growth_factor", 1.0, ValueError, "> 1.0"),
+    ("growth_factor", 0.5, ValueError, "> 1.0"),
+    ("growth_factor", math.inf, ValueError, "finite"),
+    ("growth_factor", math.nan, ValueError, "> 1.0"),
+    ("growth_factor", "2", TypeError, "real number"),
+    ("growth_factor", True, TypeError, "real number"),
+    ("backoff_factor", 0.0, ValueError, r"\(0, 1\)"),
+    ("backoff_factor", 1.0, ValueError, r"\(0, 1\)"),
+    ("backoff_factor", -0.5, ValueError, r"\(0, 1\)"),
+    ("backoff_factor", math.nan, ValueError, r"\(0, 1\)"),
+    ("init_scale", 0.0, ValueError, "> 0"),
+    ("init_scale", -1.0, ValueError, "> 0"),
+    ("init_scale", math.inf, ValueError, "finite"),
+    ("init_scale", math.nan, ValueError, "finite"),
+    ("init_scale", 1e39, ValueError, "in float32"),
+    ("init_scale", 1e-50, ValueError, "in float32"),
     ("init_scale", None, TypeError, "real number"),
-    ("growth_interval", 0, ValueError, r"\[1, 2147483647\]"), ("growth_interval", -3, ValueError, ">= 1|\\[1,"),
-    ("growth_interval", 2**31, ValueError, r"\[1, 2147483647\]"), ("growth_interval", 2.0, TypeError, "an int"),
+    ("growth_interval", 0, ValueError, r"\[1, 2147483647\]"),
+    ("growth_interval", -3, ValueError, ">= 1|\\[1,"),
+    ("growth_interval", 2**31, ValueError, r"\[1, 2147483647\]"),
+    ("growth_interval", 2.0, TypeError, "an int"),
     ("growth_interval", True, TypeError, "an int"),
-    ("min_scale", 0.0, ValueError, "> 0"), ("min_scale", math.inf, ValueError, "finite"),
-    ("max_scale", -2.0, ValueError, "> 0"), ("backend", "cuda", ValueError, "auto.*xla.*pallas.*interpret"),
+    ("min_scale", 0.0, ValueError, "> 0"),
+    ("min_scale", math.inf, ValueError, "finite"),
+    ("max_scale", -2.0, ValueError, "> 0"),
+    ("backend", "cuda", ValueError, "auto.*xla.*pallas.*interpret"),
 ]
 
 
@@ -104,11 +133,14 @@ def test_bounds_must_be_ordered_and_hold_init_scale():
 
 
 def test_import_creates_no_jax_array():
-    out = run_subprocess("""
+    out = run_subprocess(
+        """
         import jamp
         from jax._src import xla_bridge
         print(xla_bridge.backends_are_initialized())
-    """, devices=1)
+    """,
+        devices=1,
+    )
     assert out.strip() == "False"
 
 
@@ -208,8 +240,10 @@ def test_growth_never_into_inf_and_optional_bounds():
 def test_scale_update_rule_uses_exact_equality_with_the_interval():
     """A tracker already past the interval (loaded) counts on without growing, until a backoff (torch)."""
     tx = jamp.scaler(optax.sgd(1.0), init_scale=4.0, growth_interval=2)
-    state = jamp.load_state_dict(tx.init({"w": jnp.ones(1)}), {
-        "scale": 4.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2, "_growth_tracker": 5})
+    state = jamp.load_state_dict(
+        tx.init({"w": jnp.ones(1)}),
+        {"scale": 4.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2, "_growth_tracker": 5},
+    )
     update, seen = jax.jit(tx.update), []
     for g in (1.0, 1.0, jnp.nan, 1.0, 1.0):
         _, state = update({"w": jnp.array([g])}, state)
@@ -237,8 +271,9 @@ def _spy(monkeypatch):
     calls = []
     for name in ("unscale_and_check", "has_nonfinite", "unscale"):
         real = getattr(jamp_kernels, name)
-        monkeypatch.setattr(jamp_kernels, name,
-                            lambda *a, _n=name, _r=real, **k: calls.append((_n, k.get("backend"))) or _r(*a, **k))
+        monkeypatch.setattr(
+            jamp_kernels, name, lambda *a, _n=name, _r=real, **k: calls.append((_n, k.get("backend"))) or _r(*a, **k)
+        )
     return calls
 
 
@@ -259,8 +294,11 @@ def test_auto_backend_checks_with_one_kernel_launch_on_cuda_only(platform, kerne
     def step(p, s):
         return tx.update(p, s, p)
 
-    lowered = jc.lower_for_cuda(step, params, tx.init(params)) if platform == "cuda" else \
-        jax.jit(step).lower(params, tx.init(params))
+    lowered = (
+        jc.lower_for_cuda(step, params, tx.init(params))
+        if platform == "cuda"
+        else jax.jit(step).lower(params, tx.init(params))
+    )
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == kernel_launches
 
 
@@ -291,8 +329,9 @@ def test_xla_backend_compiles_to_adam_plus_a_check():
     params = {"w": jnp.ones((64, 32)), "b": jnp.ones(32)}
     tx, adam = jamp.scaler(optax.adam(1e-3), backend="xla"), optax.adam(1e-3)
     hlo, loops = _compiled_step(tx.update, params, tx.init(params))
-    _, bare_loops = _compiled_step(lambda g, s, p: adam.update(jax.tree.map(lambda x: x / 4, g), s, p),
-                                   params, adam.init(params))
+    _, bare_loops = _compiled_step(
+        lambda g, s, p: adam.update(jax.tree.map(lambda x: x / 4, g), s, p), params, adam.init(params)
+    )
     conditionals = _conditionals(hlo)
     assert conditionals and not any(re.search(r"\[\d", c) for c in conditionals)
     assert not re.search(r"\] copy\(", hlo.replace("[] copy(", ""))
@@ -350,8 +389,9 @@ def test_helpers_find_the_state_inside_wrappers():
 def test_helpers_need_exactly_one_scaler_state():
     with pytest.raises(ValueError, match="found no jamp.scaler state"):
         jamp.get_scale(optax.adam(1.0).init(PARAMS))
-    two = optax.multi_transform({"a": jamp.scaler(optax.sgd(1.0)), "b": jamp.scaler(optax.sgd(1.0))},
-                                {"w": "a", "b": "b"}).init(PARAMS)
+    two = optax.multi_transform(
+        {"a": jamp.scaler(optax.sgd(1.0)), "b": jamp.scaler(optax.sgd(1.0))}, {"w": "a", "b": "b"}
+    ).init(PARAMS)
     with pytest.raises(ValueError, match="found 2 jamp.scaler states"):
         jamp.scale(1.0, two)
     assert float(jamp.get_scale(two.inner_states["a"])) == 65536.0
@@ -405,8 +445,13 @@ def test_state_dict_has_torchs_five_keys_in_order_with_python_types():
     tx = jamp.scaler(optax.sgd(1.0), init_scale=12345.678, growth_factor=1.1, backoff_factor=0.3, growth_interval=7)
     sd = jamp.state_dict(tx.init(PARAMS))
     assert list(sd) == ["scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"]
-    assert sd == {"scale": float(np.float32(12345.678)), "growth_factor": 1.1, "backoff_factor": 0.3,
-                  "growth_interval": 7, "_growth_tracker": 0}
+    assert sd == {
+        "scale": float(np.float32(12345.678)),
+        "growth_factor": 1.1,
+        "backoff_factor": 0.3,
+        "growth_interval": 7,
+        "_growth_tracker": 0,
+    }
     assert [type(v) for v in sd.values()] == [float, float, float, int, int]
 
 
@@ -415,8 +460,13 @@ def test_load_state_dict_like_torchs_test_grad_scaling_state_dict():
     s1 = jamp.scaler(optax.sgd(1.0), init_scale=6.0, growth_factor=7.0, backoff_factor=0.8, growth_interval=1)
     st1 = jamp.set_scale(s1.init(PARAMS), 6.0)
     loaded = jamp.load_state_dict(st1, jamp.state_dict(s0.init(PARAMS)))
-    assert jamp.state_dict(loaded) == {"scale": 3.0, "growth_factor": 4.0, "backoff_factor": 0.5,
-                                       "growth_interval": 2, "_growth_tracker": 0}
+    assert jamp.state_dict(loaded) == {
+        "scale": 3.0,
+        "growth_factor": 4.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2,
+        "_growth_tracker": 0,
+    }
     assert float(jamp.scale(jnp.array([4.0]), loaded)[0]) == 12.0
     assert jamp.state_dict(st1)["scale"] == 6.0  # the input opt_state is untouched
 
@@ -440,8 +490,16 @@ def test_load_state_dict_errors():
 
 
 def _trained_state():
-    tx = jamp.scaler(optax.adam(1e-2), init_scale=3.0, growth_factor=1.1, backoff_factor=0.3, growth_interval=2,
-                     min_scale=0.5, max_scale=1e6, warn_below_scale=None)  # the scale falls below 1 on purpose
+    tx = jamp.scaler(
+        optax.adam(1e-2),
+        init_scale=3.0,
+        growth_factor=1.1,
+        backoff_factor=0.3,
+        growth_interval=2,
+        min_scale=0.5,
+        max_scale=1e6,
+        warn_below_scale=None,
+    )  # the scale falls below 1 on purpose
     state, update = tx.init(PARAMS), jax.jit(tx.update)
     for poison in (None, None, jnp.inf, None):
         _, state = update(grads_with(state, poison), state, PARAMS)
@@ -450,8 +508,11 @@ def _trained_state():
 
 def test_state_survives_jit_and_tree_map():
     _, state = _trained_state()
-    for copy in (jax.jit(lambda s: s)(state), jax.tree.map(lambda x: x, state),
-                 jax.tree.unflatten(*reversed(jax.tree.flatten(state)))):
+    for copy in (
+        jax.jit(lambda s: s)(state),
+        jax.tree.map(lambda x: x, state),
+        jax.tree.unflatten(*reversed(jax.tree.flatten(state))),
+    ):
         assert isinstance(copy, jamp.ScalerState)
         chex.assert_trees_all_equal(copy, state)
         assert jamp.state_dict(copy) == jamp.state_dict(state)
@@ -477,8 +538,11 @@ def test_orbax_restore_without_a_target_says_to_give_one(tmp_path):
     ckpt.save(tmp_path / "state", {"opt_state": state})
     ckpt.wait_until_finished()
     untargeted = ckpt.restore(tmp_path / "state")
-    with pytest.raises(ValueError, match=r"ScalerState's fields at \['opt_state'\].*restored without a target.*"
-                                         r"jax.eval_shape\(tx.init, params\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"ScalerState's fields at \['opt_state'\].*restored without a target.*"
+        r"jax.eval_shape\(tx.init, params\)",
+    ):
         jamp.get_scale(untargeted)
     restored = ckpt.restore(tmp_path / "state", {"opt_state": jax.eval_shape(tx.init, PARAMS)})
     assert float(jamp.get_scale(restored)) == float(jamp.get_scale(state))
@@ -500,20 +564,25 @@ def test_a_checkpoint_saved_before_the_episode_fields_restores_with_from_restore
     with pytest.raises(ValueError, match="consecutive_skips"):  # orbax refuses the new structure as target
         ckpt.restore(tmp_path / "old", target)
     untargeted = ckpt.restore(tmp_path / "old")
-    with pytest.raises(ValueError, match=r"jamp\.from_restored\(target, restored\).*without "
-                                         r"ScalerState\.consecutive_skips"):
+    with pytest.raises(
+        ValueError,
+        match=r"jamp\.from_restored\(target, restored\).*without "
+        r"ScalerState\.consecutive_skips",
+    ):
         jamp.get_scale(untargeted["opt_state"])
     restored = jamp.from_restored(target, untargeted)
     fresh = tx.init(PARAMS)
     assert isinstance(restored["opt_state"], jamp.ScalerState) and "from_restored" in jamp.__all__
-    chex.assert_trees_all_equal(restored["opt_state"], state._replace(consecutive_skips=fresh.consecutive_skips,
-                                                                      warned=fresh.warned))
+    chex.assert_trees_all_equal(
+        restored["opt_state"], state._replace(consecutive_skips=fresh.consecutive_skips, warned=fresh.warned)
+    )
     chex.assert_trees_all_equal(restored["params"], PARAMS)
     a = tx.update(grads_with(state, jnp.nan), state, PARAMS)
     b = tx.update(grads_with(restored["opt_state"], jnp.nan), restored["opt_state"], PARAMS)
     chex.assert_trees_all_equal(a[0], b[0])
-    chex.assert_trees_all_equal(a[1]._replace(consecutive_skips=0, warned=0),
-                                b[1]._replace(consecutive_skips=0, warned=0))
+    chex.assert_trees_all_equal(
+        a[1]._replace(consecutive_skips=0, warned=0), b[1]._replace(consecutive_skips=0, warned=0)
+    )
 
 
 def test_from_restored_names_what_does_not_fit(tmp_path):
@@ -539,8 +608,9 @@ def test_changing_hyperparameters_never_recompiles():
 
     state = step(tx.init(PARAMS))
     assert float(state.scale) == 8.0
-    state = jamp.load_state_dict(state, {"scale": 3.0, "growth_factor": 1.1, "backoff_factor": 0.3,
-                                         "growth_interval": 2, "_growth_tracker": 1})
+    state = jamp.load_state_dict(
+        state, {"scale": 3.0, "growth_factor": 1.1, "backoff_factor": 0.3, "growth_interval": 2, "_growth_tracker": 1}
+    )
     state = step(jamp.set_scale(state, 3.0))
     assert float(state.scale) == 3.299999952316284 and int(state.growth_tracker) == 0
     assert len(traces) == 1

@@ -58,13 +58,20 @@ def test_nan_in_the_data_warns_once_per_episode_and_rearms_after_a_step_taken():
     params, state, seen, messages = train(step, PARAMS, state, [X_NAN] * 40)
     # the 17th backoff takes 2**16 below 1 (warn_below_scale); the other 23 skips say nothing more
     assert seen == [0] * 16 + [1] * 24 and len(messages) == 1
-    assert messages[0].startswith("jamp.scaler: the loss scale fell below 1 (warn_below_scale) to 0.5, 17 update(s) "
-                                  "skipped in a row because the scaled gradients held inf/NaN. ")
+    assert messages[0].startswith(
+        "jamp.scaler: the loss scale fell below 1 (warn_below_scale) to 0.5, 17 update(s) "
+        "skipped in a row because the scaled gradients held inf/NaN. "
+    )
     assert (int(state.consecutive_skips), bool(state.warned)) == (40, True)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(PARAMS)))
-    for cause in ("NaN/inf in the input data", "overflows even in float32", "learning rate",
-                  "jamp.find_overflow(loss_fn)(params, batch)", "warn_after_skips=None, warn_below_scale=None",
-                  "category=jamp.SkippedStepsWarning"):
+    for cause in (
+        "NaN/inf in the input data",
+        "overflows even in float32",
+        "learning rate",
+        "jamp.find_overflow(loss_fn)(params, batch)",
+        "warn_after_skips=None, warn_below_scale=None",
+        "category=jamp.SkippedStepsWarning",
+    ):
         assert cause in messages[0]
 
     params, state, seen, messages = train(step, params, state, [X] * 3)  # steps taken: the warning re-arms
@@ -73,8 +80,10 @@ def test_nan_in_the_data_warns_once_per_episode_and_rearms_after_a_step_taken():
     # the scale is below 1 already, so this time the run of warn_after_skips=32 skips is what warns
     _, state, seen, messages = train(step, params, state, [X_NAN] * 40)
     assert seen == [0] * 31 + [1] * 9
-    assert messages[0].startswith("jamp.scaler: 32 updates in a row were skipped because the scaled gradients held "
-                                  "inf/NaN; the parameters and the optimizer state have not changed since")
+    assert messages[0].startswith(
+        "jamp.scaler: 32 updates in a row were skipped because the scaled gradients held "
+        "inf/NaN; the parameters and the optimizer state have not changed since"
+    )
 
 
 def test_warn_after_skips_alone_warns_at_exactly_that_many_skips():
@@ -96,8 +105,10 @@ def test_silenced_by_the_keywords_and_then_absent_from_the_step():
     _, state, seen, _ = train(train_step(quiet), PARAMS, quiet.init(PARAMS), [X_NAN] * 20)
     assert seen == [0] * 20 and int(state.consecutive_skips) == 20
     grads, loud = jax.tree.map(jnp.ones_like, PARAMS), jamp.scaler(optax.adam(1e-3))
-    callbacks, conds = ([count(tx.update, grads, tx.init(PARAMS), PARAMS, primitive=p) for tx in (quiet, loud)]
-                        for p in ("pure_callback", "cond"))
+    callbacks, conds = (
+        [count(tx.update, grads, tx.init(PARAMS), PARAMS, primitive=p) for tx in (quiet, loud)]
+        for p in ("pure_callback", "cond")
+    )
     assert callbacks == [0, 1] and conds[1] == conds[0] + 1  # (the other conds pick the platform's skip form)
     # no effect either: an effect (jax.debug.callback) sends every call of a jitted step through Python dispatch
     assert not jax.make_jaxpr(loud.update)(grads, loud.init(PARAMS), PARAMS).effects
@@ -129,14 +140,17 @@ def test_silenced_by_a_warnings_filter():
     assert issubclass(jamp.SkippedStepsWarning, UserWarning) and "SkippedStepsWarning" in jamp.__all__
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"warn_after_skips": 0}, ValueError, r"warn_after_skips must be an int in \[1, "),
-    ({"warn_after_skips": 2.5}, TypeError, "warn_after_skips must be an int"),
-    ({"warn_after_skips": True}, TypeError, "warn_after_skips must be an int"),
-    ({"warn_below_scale": 0.0}, ValueError, "warn_below_scale must be None or a finite float > 0"),
-    ({"warn_below_scale": float("inf")}, ValueError, "warn_below_scale must be None or a finite float > 0"),
-    ({"warn_below_scale": "1"}, TypeError, "warn_below_scale must be a real number"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"warn_after_skips": 0}, ValueError, r"warn_after_skips must be an int in \[1, "),
+        ({"warn_after_skips": 2.5}, TypeError, "warn_after_skips must be an int"),
+        ({"warn_after_skips": True}, TypeError, "warn_after_skips must be an int"),
+        ({"warn_below_scale": 0.0}, ValueError, "warn_below_scale must be None or a finite float > 0"),
+        ({"warn_below_scale": float("inf")}, ValueError, "warn_below_scale must be None or a finite float > 0"),
+        ({"warn_below_scale": "1"}, TypeError, "warn_below_scale must be a real number"),
+    ],
+)
 def test_bad_thresholds_name_the_argument(kwargs, error, match):
     with pytest.raises(error, match=match):
         jamp.scaler(optax.adam(1e-3), **kwargs)
@@ -152,13 +166,15 @@ def test_inside_and_around_multisteps():
     """jamp.scaler(MultiSteps(...)) steps the scaler per micro-batch. MultiSteps(jamp.scaler(...)) runs the scaler's
     update on every micro-batch and keeps its state only at the window's end, so the host is called from each
     micro-batch of the window that starts an episode, with the same numbers: it warns once."""
-    inner = jamp.scaler(optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2), warn_after_skips=3,
-                        warn_below_scale=None)
+    inner = jamp.scaler(
+        optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2), warn_after_skips=3, warn_below_scale=None
+    )
     _, state, seen, messages = train(train_step(inner), PARAMS, inner.init(PARAMS), [X_NAN] * 5)
     assert seen == [0, 0, 1, 1, 1] and int(state.consecutive_skips) == 5
 
-    outer = optax.MultiSteps(jamp.scaler(optax.adam(1e-3), warn_after_skips=2, warn_below_scale=None),
-                             every_k_schedule=2)
+    outer = optax.MultiSteps(
+        jamp.scaler(optax.adam(1e-3), warn_after_skips=2, warn_below_scale=None), every_k_schedule=2
+    )
     step, state = train_step(outer), outer.init(PARAMS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -177,6 +193,7 @@ def test_in_a_scan_over_steps_and_under_vmap():
     def five_steps(state):
         def body(s, _):
             return jax.vmap(tx.update)(grads, s, params)[1], None
+
         return jax.lax.scan(body, state, None, length=5)[0]
 
     with warnings.catch_warnings(record=True) as caught:
@@ -224,6 +241,7 @@ def test_unscaled_gradients_accumulated_in_a_scan_or_taken_in_a_nested_jit_warn(
     def accumulated(params, opt_state, xs, y):
         def micro(acc, x):
             return jax.tree.map(jnp.add, acc, jax.grad(amp_loss)(params, x, y)), None
+
         grads, _ = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), xs)
         return TX.update(grads, opt_state, params)
 
@@ -233,8 +251,9 @@ def test_unscaled_gradients_accumulated_in_a_scan_or_taken_in_a_nested_jit_warn(
     assert len(_unscaled_warnings(nested, PARAMS, STATE, X, Y)) == 1
     assert len(_unscaled_warnings(accumulated, PARAMS, STATE, jnp.stack([X, X]), Y)) == 1
     two = jax.tree.map(lambda a: jnp.stack([a, a]), PARAMS)
-    assert len(_unscaled_warnings(jax.vmap(ensemble, in_axes=(0, 0, None, None)), two, jax.vmap(TX.init)(two),
-                                  X, Y)) == 1
+    assert (
+        len(_unscaled_warnings(jax.vmap(ensemble, in_axes=(0, 0, None, None)), two, jax.vmap(TX.init)(two), X, Y)) == 1
+    )
 
 
 def test_scaled_gradients_do_not_warn():
@@ -252,6 +271,7 @@ def test_scaled_gradients_do_not_warn():
         def micro(acc, x):
             g = jax.grad(lambda p: jamp.scale(amp_loss(p, x, y), opt_state))(params)
             return jax.tree.map(jnp.add, acc, g), None
+
         grads, _ = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), xs)
         return TX.update(grads, opt_state, params)
 
@@ -272,6 +292,7 @@ def test_scaled_gradients_do_not_warn():
 def test_correct_steps_whose_gradients_partly_ignore_the_scale_do_not_warn():
     """A frozen part's gradients (stop_gradient, set_to_zero), a vjp given the scale as cotangent, a remat'd
     loss, a custom_vjp layer: one gradient that depends on the scale is enough."""
+
     @jax.custom_vjp
     def clipped_grad(w):
         return w
@@ -279,22 +300,30 @@ def test_correct_steps_whose_gradients_partly_ignore_the_scale_do_not_warn():
     clipped_grad.defvjp(lambda w: (w, None), lambda _, g: (jnp.clip(g, -1, 1),))
     frozen_w1 = lambda p, x, y: amp_loss({**p, "w1": jax.lax.stop_gradient(p["w1"])}, x, y)
     custom = lambda p, x, y: amp_loss({**p, "w1": clipped_grad(p["w1"])}, x, y)
-    groups = jamp.scaler(optax.multi_transform({"train": optax.adam(1e-3), "freeze": optax.set_to_zero()},
-                                               {"w1": "freeze", "w2": "train"}))
+    groups = jamp.scaler(
+        optax.multi_transform(
+            {"train": optax.adam(1e-3), "freeze": optax.set_to_zero()}, {"w1": "freeze", "w2": "train"}
+        )
+    )
 
     def scaled_step(loss, tx=TX):
         def step(params, opt_state, x, y):
             grads = jax.grad(lambda p: jamp.scale(loss(p, x, y), opt_state))(params)
             return tx.update(grads, opt_state, params)
+
         return step
 
     def vjp_of_the_scale(params, opt_state, x, y):
         loss, pullback = jax.vjp(lambda p: amp_loss(p, x, y), params)
         return TX.update(pullback(jamp.get_scale(opt_state).astype(loss.dtype))[0], opt_state, params)
 
-    for step, state in [(scaled_step(frozen_w1), STATE), (scaled_step(amp_loss, groups), groups.init(PARAMS)),
-                        (scaled_step(jax.checkpoint(amp_loss)), STATE), (scaled_step(custom), STATE),
-                        (vjp_of_the_scale, STATE)]:
+    for step, state in [
+        (scaled_step(frozen_w1), STATE),
+        (scaled_step(amp_loss, groups), groups.init(PARAMS)),
+        (scaled_step(jax.checkpoint(amp_loss)), STATE),
+        (scaled_step(custom), STATE),
+        (vjp_of_the_scale, STATE),
+    ]:
         assert _unscaled_warnings(step, PARAMS, state, X, Y) == []
 
 
@@ -303,8 +332,11 @@ def test_correct_steps_whose_gradients_partly_ignore_the_scale_do_not_warn():
 
 def test_a_scaler_around_optax_identity_shows_the_wrapping_form():
     for inner in ((optax.identity(),), (optax.identity(), optax.identity())):
-        with pytest.warns(UserWarning, match=r"guards no optimizer.*Write jamp\.scaler\(optax\.adam\(1e-3\)\).*not "
-                                             r"optax\.chain\(jamp\.scaler\(optax\.identity\(\)\), optax\.adam"):
+        with pytest.warns(
+            UserWarning,
+            match=r"guards no optimizer.*Write jamp\.scaler\(optax\.adam\(1e-3\)\).*not "
+            r"optax\.chain\(jamp\.scaler\(optax\.identity\(\)\), optax\.adam",
+        ):
             jamp.scaler(*inner)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -316,8 +348,11 @@ def test_a_scaler_around_optax_identity_shows_the_wrapping_form():
 
 def test_swapped_arguments_are_named_with_the_right_order():
     loss = jnp.float32(2.0)
-    with pytest.raises(TypeError, match=r"jamp\.scale\(opt_state, loss\): the arguments are swapped; write "
-                                        r"jamp\.scale\(loss, opt_state\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"jamp\.scale\(opt_state, loss\): the arguments are swapped; write "
+        r"jamp\.scale\(loss, opt_state\)",
+    ):
         jamp.scale(STATE, loss)
     with pytest.raises(TypeError, match=r"write jamp\.set_scale\(opt_state, new_scale\)"):
         jamp.set_scale(8.0, STATE)

@@ -46,8 +46,9 @@ def test_exact_mul_is_numpys_double_multiply(pairs):
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 2**24 - 1), st.integers(-140, 120)), min_size=BATCH, max_size=BATCH),
-       st.data())
+@given(
+    st.lists(st.tuples(st.integers(1, 2**24 - 1), st.integers(-140, 120)), min_size=BATCH, max_size=BATCH), st.data()
+)
 def test_exact_mul_double_rounding_cases(targets, data):
     """Factors chosen so the double product lands on (or next to) a float32 rounding midpoint."""
     s = np.array([data.draw(st.floats(1.0, 2.0**20, width=32)) for _ in targets], np.float32)
@@ -114,8 +115,14 @@ def _run(state, flags):
 
 
 scales = st.floats(min_value=2.0**-100, max_value=2.0**100, width=32)
-hyper = st.tuples(scales, st.floats(1.0, 16.0, exclude_min=True), st.floats(0.0, 1.0, exclude_min=True, exclude_max=True),
-                  st.integers(1, 6), st.integers(0, 8), st.lists(st.booleans(), min_size=STEPS, max_size=STEPS))
+hyper = st.tuples(
+    scales,
+    st.floats(1.0, 16.0, exclude_min=True),
+    st.floats(0.0, 1.0, exclude_min=True, exclude_max=True),
+    st.integers(1, 6),
+    st.integers(0, 8),
+    st.lists(st.booleans(), min_size=STEPS, max_size=STEPS),
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -124,10 +131,18 @@ def test_scale_rule_matches_python_model(h, bounds):
     scale, growth, backoff, interval, tracker, flags = h
     lo, hi = bounds or (0.0, math.inf)
     state = jamp.ScalerState(
-        scale=jnp.float32(scale), growth_tracker=jnp.int32(tracker),
-        growth_factor=exact_mul.to_words(growth), backoff_factor=exact_mul.to_words(backoff),
-        growth_interval=jnp.int32(interval), min_scale=jnp.float32(lo), max_scale=jnp.float32(hi),
-        found_inf=jnp.bool_(False), consecutive_skips=jnp.int32(0), warned=jnp.bool_(False), inner_state=())
+        scale=jnp.float32(scale),
+        growth_tracker=jnp.int32(tracker),
+        growth_factor=exact_mul.to_words(growth),
+        backoff_factor=exact_mul.to_words(backoff),
+        growth_interval=jnp.int32(interval),
+        min_scale=jnp.float32(lo),
+        max_scale=jnp.float32(hi),
+        found_inf=jnp.bool_(False),
+        consecutive_skips=jnp.int32(0),
+        warned=jnp.bool_(False),
+        inner_state=(),
+    )
     got_scales, got_trackers = _run(state, jnp.array(flags))
     s, t = np.float32(scale), tracker
     for i, found in enumerate(flags):

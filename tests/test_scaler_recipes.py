@@ -21,8 +21,10 @@ SKIP_ITER = 2
 
 def mlp_params(key):
     k = jax.random.split(key, 4)
-    return {"l0": {"w": jax.random.normal(k[0], (8, 8)) / 3, "b": jax.random.normal(k[1], (8,)) / 3},
-            "l1": {"w": jax.random.normal(k[2], (8, 8)) / 3, "b": jax.random.normal(k[3], (8,)) / 3}}
+    return {
+        "l0": {"w": jax.random.normal(k[0], (8, 8)) / 3, "b": jax.random.normal(k[1], (8,)) / 3},
+        "l1": {"w": jax.random.normal(k[2], (8, 8)) / 3, "b": jax.random.normal(k[3], (8,)) / 3},
+    }
 
 
 def mlp(p, x):
@@ -73,8 +75,9 @@ def scaled_grads(p, s, x, y):
     return jax.grad(lambda q: jamp.scale(mse(q, x, y), s))(p)
 
 
-@pytest.mark.parametrize("inner", [lambda: optax.sgd(1.0), lambda: optax.adam(1e-2), lambda: optax.adamw(1e-2)],
-                         ids=["sgd", "adam", "adamw"])
+@pytest.mark.parametrize(
+    "inner", [lambda: optax.sgd(1.0), lambda: optax.adam(1e-2), lambda: optax.adamw(1e-2)], ids=["sgd", "adam", "adamw"]
+)
 def test_scaling_case(inner):
     control, scaled, state = run_pair(inner, scaled_grads)
     assert float(jamp.get_scale(state)) == 512.0
@@ -83,6 +86,7 @@ def test_scaling_case(inner):
 
 def test_clipping_after_unscale():
     """test_grad_scaling_clipping_separate_unscale: the clip inside the scaler sees unscaled grads."""
+
     def inner():
         return optax.chain(optax.clip_by_global_norm(0.2), optax.sgd(1.0))
 
@@ -154,8 +158,14 @@ def test_scaler_around_multisteps_drops_only_the_overflowing_micro_batch():
         params, state = step(params, state, x, y, i == 1)
         trace.append((bool(jamp.found_inf(state)), float(jamp.get_scale(state)), int(state.inner_state.mini_step)))
     # growth_interval=1: the scale moves every micro-batch, so the second window mixes scales 256 and 512
-    assert trace == [(False, 256.0, 1), (True, 128.0, 1), (False, 256.0, 0),
-                     (False, 512.0, 1), (False, 1024.0, 0), (False, 2048.0, 1)]
+    assert trace == [
+        (False, 256.0, 1),
+        (True, 128.0, 1),
+        (False, 256.0, 0),
+        (False, 512.0, 1),
+        (False, 1024.0, 0),
+        (False, 2048.0, 1),
+    ]
 
     def mean_grad(p, *batches):
         return jax.tree.map(lambda *g: sum(g) / len(g), *(jax.grad(mse)(p, x, y) for x, y in batches))
@@ -191,8 +201,12 @@ def test_accumulation_by_summing_scaled_grads_skips_the_whole_window():
     assert np.all(np.isfinite(params["l1"]["w"])) and not np.array_equal(params["l1"]["w"], PARAMS["l1"]["w"])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="optax 0.2.8 MultiSteps resets its accumulator with `(1 - emit) * acc`: "
-                   "0 * inf = NaN poisons every later window, so the scaler skips forever")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="optax 0.2.8 MultiSteps resets its accumulator with `(1 - emit) * acc`: "
+    "0 * inf = NaN poisons every later window, so the scaler skips forever",
+)
 def test_multisteps_recovers_after_an_overflowing_window():
     tx = optax.MultiSteps(scaling_tx(optax.sgd(1.0)), every_k_schedule=2)
     state = tx.init(PARAMS)

@@ -72,14 +72,16 @@ def test_array_and_static_extra_args():
         return jax.tree.map(lambda g: sign * factor * g, u), s
 
     tx = jamp.scaler(optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update), init_scale=1.0)
-    updates, _ = jax.jit(tx.update, static_argnames="sign")(GRADS, tx.init(PARAMS), None, factor=jnp.float32(2.0),
-                                                            sign=-1)
+    updates, _ = jax.jit(tx.update, static_argnames="sign")(
+        GRADS, tx.init(PARAMS), None, factor=jnp.float32(2.0), sign=-1
+    )
     np.testing.assert_array_equal(updates["b"], -2.0 * np.ones(4))
 
 
 def test_inner_that_changes_its_state_dtype_is_rejected():
-    changes = optax.GradientTransformation(lambda p: jnp.zeros((), jnp.int32),
-                                           lambda u, s, p=None: (u, jnp.zeros((), jnp.float32)))
+    changes = optax.GradientTransformation(
+        lambda p: jnp.zeros((), jnp.int32), lambda u, s, p=None: (u, jnp.zeros((), jnp.float32))
+    )
     with pytest.raises(TypeError, match="changed a state leaf from int32"):
         jamp.scaler(changes).update(GRADS, jamp.scaler(changes).init(PARAMS))
 
@@ -95,8 +97,9 @@ def test_the_discarded_update_never_sees_inf_or_nan(skip_form):
     seen = []
 
     def update(u, s, p=None):
-        jax.debug.callback(lambda ok: seen.append(bool(ok)), jnp.all(jnp.stack([jnp.isfinite(x).all()
-                                                                                for x in jax.tree.leaves(u)])))
+        jax.debug.callback(
+            lambda ok: seen.append(bool(ok)), jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(u)]))
+        )
         return u, s
 
     tx = jamp.scaler(optax.GradientTransformation(lambda p: optax.EmptyState(), update), init_scale=2.0)
@@ -123,7 +126,8 @@ def test_moments_are_read_selected_and_the_step_count_as_computed():
     adam = optax.adam(1e-2)
     state = adam.init(PARAMS)
     closed = jax.make_jaxpr(lambda found_inf, g, s, p: skip.select_where_produced(adam.update, found_inf, g, s, p, {}))(
-        True, GRADS, state, PARAMS)
+        True, GRADS, state, PARAMS
+    )
     jaxpr = closed.jaxpr
     count = jaxpr.invars[1 + len(GRADS)]  # found_inf, the grads, then the state: Adam's count first
     assert count.aval.shape == () and jnp.issubdtype(count.aval.dtype, jnp.integer)
@@ -134,15 +138,18 @@ def test_moments_are_read_selected_and_the_step_count_as_computed():
     assert [e.primitive.name for e in waiting_scalars] == ["select_n"]  # only the count that is returned
     assert waiting_scalars[0].outvars[0] in jaxpr.outvars
     read_later = {v for e in jaxpr.eqns for v in e.invars if not hasattr(v, "val")}
-    returned_and_read = [e for e in selects if e.outvars[0].aval.ndim and e.outvars[0] in jaxpr.outvars
-                         and e.outvars[0] in read_later]
+    returned_and_read = [
+        e for e in selects if e.outvars[0].aval.ndim and e.outvars[0] in jaxpr.outvars and e.outvars[0] in read_later
+    ]
     assert len(returned_and_read) == 2 * len(GRADS)  # mu and nu of each leaf: one buffer, written in place
 
 
 DECOMPOSING = {
     "galore": lambda: optax.contrib.galore(1e-2, rank=2, update_proj_gap=1),
-    **{f"muon_{p}": lambda p=p: optax.contrib.muon(1e-2, preconditioning=p)
-       for p in ("frobenius", "spectral", "aol", "schatten")},
+    **{
+        f"muon_{p}": lambda p=p: optax.contrib.muon(1e-2, preconditioning=p)
+        for p in ("frobenius", "spectral", "aol", "schatten")
+    },
 }
 
 

@@ -45,12 +45,14 @@ def test_soak_hundred_thousand_steps():
         updates, new_state = tx.update(grads, state, params)
         new_params = optax.apply_updates(params, updates)
         kept = jnp.all(new_params == params) & jax.tree.reduce(
-            jnp.logical_and, jax.tree.map(lambda a, b: jnp.all(a == b), new_state.inner_state, state.inner_state))
+            jnp.logical_and, jax.tree.map(lambda a, b: jnp.all(a == b), new_state.inner_state, state.inner_state)
+        )
         invariant_ok = jnp.where(found, kept & jamp.found_inf(new_state), ~jamp.found_inf(new_state))
         return (new_params, new_state), (jamp.get_scale(new_state), invariant_ok)
 
-    (final_params, final_state), (scales, invariant_ok) = jax.jit(
-        lambda p, s, f: jax.lax.scan(step, (p, s), f))(params, tx.init(params), flags)
+    (final_params, final_state), (scales, invariant_ok) = jax.jit(lambda p, s, f: jax.lax.scan(step, (p, s), f))(
+        params, tx.init(params), flags
+    )
 
     assert bool(jnp.all(invariant_ok))
     scales = np.asarray(scales, np.float64)

@@ -63,9 +63,16 @@ def replay(traj, update, base_state):
     Unscaled values are compared for the leaves that kept torch's dtype (all three under x64); returns
     the (leaf, what it was compared against) pairs seen.
     """
-    state = jamp.load_state_dict(base_state, {
-        "scale": traj["init_scale"], "growth_factor": traj["growth_factor"],
-        "backoff_factor": traj["backoff_factor"], "growth_interval": traj["growth_interval"], "_growth_tracker": 0})
+    state = jamp.load_state_dict(
+        base_state,
+        {
+            "scale": traj["init_scale"],
+            "growth_factor": traj["growth_factor"],
+            "backoff_factor": traj["backoff_factor"],
+            "growth_interval": traj["growth_interval"],
+            "_growth_tracker": 0,
+        },
+    )
     params = {k: jnp.zeros(SHAPES[k][0], dtype_of(k)) for k in SHAPES}
     exact = [k for k in SHAPES if dtype_of(k) == SHAPES[k][1]]
     compared = set()
@@ -119,8 +126,10 @@ def test_trajectory_matches_torch(traj, one_compiled_update):
 def test_no_unscaled_golden_is_subnormal():
     """What keeps the replay independent of the host (module docstring): a subnormal bfloat16 result would
     be flushed by AVX512-BF16's convert on some CPUs and kept on others."""
-    values = np.array([v for t in GOLDENS["trajectories"] for st in t["steps"] for k in ("w", "b")
-                       for v in st["unscaled"][k]], np.float64)
+    values = np.array(
+        [v for t in GOLDENS["trajectories"] for st in t["steps"] for k in ("w", "b") for v in st["unscaled"][k]],
+        np.float64,
+    )
     assert values.size > 1000 and not np.any((values != 0) & (np.abs(values) < np.finfo(np.float32).tiny))
 
 
@@ -164,8 +173,13 @@ def test_doc_trajectory_table_1_10():
         assert bool(jamp.found_inf(state)) == (found == "1"), it
         assert all(np.array_equal(params[k], before[k]) for k in params) == (skipped == "yes"), it
         assert (float(jamp.get_scale(state)), int(state.growth_tracker)) == (float(after), int(tracker)), it
-    assert jamp.state_dict(state) == {"scale": 16.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-                                      "growth_interval": 3, "_growth_tracker": 2}
+    assert jamp.state_dict(state) == {
+        "scale": 16.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 3,
+        "_growth_tracker": 2,
+    }
 
 
 def test_doc_growth_interval_1_doubles_every_step():
@@ -188,11 +202,18 @@ def test_update_kernel_matches_torch_amp_update_scale():
 
     n = len(cases)
     state = jamp.ScalerState(
-        scale=col("scale", np.float32), growth_tracker=col("tracker", np.int32),
-        growth_factor=words("growth_factor"), backoff_factor=words("backoff_factor"),
-        growth_interval=col("growth_interval", np.int32), min_scale=jnp.zeros(n), max_scale=jnp.full(n, jnp.inf),
-        found_inf=col("found_inf", np.float32) != 0, consecutive_skips=jnp.zeros(n, jnp.int32),
-        warned=jnp.zeros(n, jnp.bool_), inner_state=None)
+        scale=col("scale", np.float32),
+        growth_tracker=col("tracker", np.int32),
+        growth_factor=words("growth_factor"),
+        backoff_factor=words("backoff_factor"),
+        growth_interval=col("growth_interval", np.int32),
+        min_scale=jnp.zeros(n),
+        max_scale=jnp.full(n, jnp.inf),
+        found_inf=col("found_inf", np.float32) != 0,
+        consecutive_skips=jnp.zeros(n, jnp.int32),
+        warned=jnp.zeros(n, jnp.bool_),
+        inner_state=None,
+    )
     scale, tracker = jax.jit(scaler_rule.next_scale)(state, state.found_inf)
     np.testing.assert_array_equal(bits(scale), bits([c["new_scale"] for c in cases]))
     np.testing.assert_array_equal(np.asarray(tracker), [c["new_tracker"] for c in cases])
@@ -204,7 +225,9 @@ def test_inv_scale_is_torchs_double_reciprocal():
     cases = [c for c in GOLDENS["inv_scale"] if NORMAL[0] <= c["scale"] <= NORMAL[1]]
     assert len(cases) > 200 and {65536.0, 3.0, 7.0, 10.0} <= {c["scale"] for c in cases}
     scales = jnp.asarray(np.array([c["scale"] for c in cases], np.float32))
-    np.testing.assert_array_equal(bits(jax.jit(lambda s: jnp.float32(1.0) / s)(scales)), bits([c["inv"] for c in cases]))
+    np.testing.assert_array_equal(
+        bits(jax.jit(lambda s: jnp.float32(1.0) / s)(scales)), bits([c["inv"] for c in cases])
+    )
     # Why no double is needed: for a float32 s and a 25-bit (midpoint) m, |1 - s*m| is 0 or >= 2**-49,
     # so 1/s never lies within a double's rounding error (2**-53) of a float32 midpoint.
 

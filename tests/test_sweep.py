@@ -37,8 +37,8 @@ SWEEP_DEVICES = os.environ.get("JAMP_SWEEP_DEVICES", "gpu,cpu").split(",")
 # name -> why it cannot pass; each is asserted to still fail (strict xfail), so a fix shows up.
 KNOWN_LIMITATIONS: dict[str, str] = {
     "jnp.isclose_self[cpu]": "x * 1.001 rounds to x in bfloat16, so isclose(x, x * 1.001) is True where float32 "
-                             "says False: a comparison of values computed in low precision inherits its rounding "
-                             "(torch's autocast behaves the same)",
+    "says False: a comparison of values computed in low precision inherits its rounding "
+    "(torch's autocast behaves the same)",
 }
 
 
@@ -91,15 +91,17 @@ def run(fn, arity, domain, device_type):
     low = policy.compute_dtype
     rounded = [xs[0].astype(low).astype(jnp.float32), *xs[1:]]
     amp_fn = jamp.autocast(lambda x0, *rest: fn(x0 @ EYE, *rest), policy=policy)
-    ref_fn = lambda x0, *rest: fn(x0 @ EYE, *rest)  # noqa: E731
+    ref_fn = lambda x0, *rest: fn(x0 @ EYE, *rest)
     rtol = RTOL[str(low)]
 
     def program(differentiable: bool):
         """Both sides in one program: one compile per case instead of two. The float32 side is traced
         first, so a float32 function JAX cannot differentiate raises NotDifferentiable before autocast's
         side is traced; once float32 differentiates, autocast must too (strict)."""
+
         def outputs(f, strict):
             return with_grad(f, strict) if differentiable else lambda *a: (f(*a), None)
+
         return jax.jit(lambda r, x: (outputs(ref_fn, False)(*r), outputs(amp_fn, True)(*x)))
 
     try:
@@ -119,6 +121,7 @@ class NotDifferentiable(Exception):
 def with_grad(fun, strict: bool = False):
     """(outputs, d readout / d inputs); NotDifferentiable where JAX cannot differentiate ``fun``
     (a while_loop with a dynamic trip count, integer-only outputs, ...)."""
+
     def both(*args):
         grad = jax.grad(lambda *a: readout(fun(*a)))
         try:
@@ -128,6 +131,7 @@ def with_grad(fun, strict: bool = False):
                 raise
             raise NotDifferentiable from e
         return fun(*args), g
+
     return both
 
 
@@ -135,8 +139,11 @@ def _params():
     for name, fn, domain, arity in CASES:
         for device_type in SWEEP_DEVICES:
             case_id = f"{name}[{device_type}]"
-            marks = [pytest.mark.xfail(strict=True, reason=KNOWN_LIMITATIONS[case_id])] \
-                if case_id in KNOWN_LIMITATIONS else []
+            marks = (
+                [pytest.mark.xfail(strict=True, reason=KNOWN_LIMITATIONS[case_id])]
+                if case_id in KNOWN_LIMITATIONS
+                else []
+            )
             yield pytest.param(fn, domain, arity, device_type, id=case_id, marks=marks)
 
 

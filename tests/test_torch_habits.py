@@ -15,7 +15,7 @@ from jamp import _torch_names
 # torch.amp name -> a piece of the jamp form the message must show
 TORCH_NAMES = {
     "GradScaler": r"tx = jamp\.scaler\(optax\.adam\(1e-3\)\).*jamp\.scale\(loss, opt_state\).*tx\.update\(grads, "
-                  r"opt_state, params\)",
+    r"opt_state, params\)",
     "ShardedGradScaler": r"jamp\.scaler\(optimizer, axis_name=\.\.\.\)",
     "custom_bwd": r"not needed.*jamp\.custom_fwd\(fn, cast_inputs=jnp\.float32\)",
     "amp": r"jamp\.autocast\(fn, device_type='gpu', dtype=jnp\.float16\).*jamp\.scaler\(optimizer\)",
@@ -52,12 +52,15 @@ def _suggested_call(message: str) -> str:
     return re.search(r"Write (jamp\.autocast\(fn, [^)]*\))\(\*args\)", message).group(1)
 
 
-@pytest.mark.parametrize("args,kwargs,call", [
-    (("cuda",), {"dtype": jnp.float16}, "jamp.autocast(fn, device_type='cuda', dtype=jnp.float16)"),
-    (("cpu",), {}, "jamp.autocast(fn, device_type='cpu')"),
-    (("gpu",), {"dtype": "bf16", "enabled": True}, "jamp.autocast(fn, device_type='gpu', dtype=jnp.bfloat16)"),
-    (("bf16",), {"device_type": "cpu"}, "jamp.autocast(fn, dtype=jnp.bfloat16, device_type='cpu')"),
-])
+@pytest.mark.parametrize(
+    "args,kwargs,call",
+    [
+        (("cuda",), {"dtype": jnp.float16}, "jamp.autocast(fn, device_type='cuda', dtype=jnp.float16)"),
+        (("cpu",), {}, "jamp.autocast(fn, device_type='cpu')"),
+        (("gpu",), {"dtype": "bf16", "enabled": True}, "jamp.autocast(fn, device_type='gpu', dtype=jnp.bfloat16)"),
+        (("bf16",), {"device_type": "cpu"}, "jamp.autocast(fn, dtype=jnp.bfloat16, device_type='cpu')"),
+    ],
+)
 def test_positional_device_type_shows_the_keyword_call(args, kwargs, call):
     """torch.autocast("cuda", dtype=torch.float16): the message shows the call, and that call runs."""
     with pytest.raises(TypeError, match="is a keyword argument") as info:
@@ -69,7 +72,7 @@ def test_positional_device_type_shows_the_keyword_call(args, kwargs, call):
     def fn(w, x):
         return x @ w
 
-    amp = eval(call, {"jamp": jamp, "jnp": jnp, "fn": fn})  # noqa: S307 (the message's own suggestion)
+    amp = eval(call, {"jamp": jamp, "jnp": jnp, "fn": fn})
     w = jnp.ones((4, 4))
     dots = jax.make_jaxpr(amp)(w, w).jaxpr.eqns
     assert any(e.primitive.name == "dot_general" and e.invars[0].aval.dtype != jnp.float32 for e in dots)
@@ -81,14 +84,19 @@ def test_non_string_non_callable_keeps_the_plain_message():
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-@pytest.mark.parametrize("method,shown", [
-    ("step", r"updates, opt_state = tx\.update\(grads, opt_state, params\)"),
-    ("scale", r"jamp\.scale\(loss, opt_state\)"),
-    ("unscale_", r"not needed.*jamp\.scaler\(optax\.clip_by_global_norm\(1\.0\), optax\.adam\(1e-3\)\)"),
-    ("get_scale", r"jamp\.get_scale\(opt_state\)"),
-    ("set_growth_factor",
-     r"opt_state = jamp\.load_state_dict\(opt_state, \{\*\*jamp\.state_dict\(opt_state\), 'growth_factor'"),
-])
+@pytest.mark.parametrize(
+    "method,shown",
+    [
+        ("step", r"updates, opt_state = tx\.update\(grads, opt_state, params\)"),
+        ("scale", r"jamp\.scale\(loss, opt_state\)"),
+        ("unscale_", r"not needed.*jamp\.scaler\(optax\.clip_by_global_norm\(1\.0\), optax\.adam\(1e-3\)\)"),
+        ("get_scale", r"jamp\.get_scale\(opt_state\)"),
+        (
+            "set_growth_factor",
+            r"opt_state = jamp\.load_state_dict\(opt_state, \{\*\*jamp\.state_dict\(opt_state\), 'growth_factor'",
+        ),
+    ],
+)
 def test_grad_scaler_methods_on_the_transformation_say_what_to_write(enabled, method, shown):
     """scaler.step(optimizer) and the other GradScaler methods, tried on what jamp.scaler returns."""
     tx = jamp.scaler(optax.adam(1e-3), enabled=enabled)

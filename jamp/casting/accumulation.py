@@ -65,8 +65,11 @@ def widened_inputs(eqn: Any, invals: list, float32_of: Callable) -> list:
 
 def broadcasts(eqn: Any, i: int, x: Any) -> bool:
     """Whether ``eqn``, a ``BROADCASTING`` primitive, broadcasts its variable operand ``i`` (value ``x``)."""
-    return (eqn.primitive.name in BROADCASTING and isinstance(eqn.invars[i], Var)
-            and np.shape(x) != eqn.outvars[0].aval.shape)
+    return (
+        eqn.primitive.name in BROADCASTING
+        and isinstance(eqn.invars[i], Var)
+        and np.shape(x) != eqn.outvars[0].aval.shape
+    )
 
 
 def broadcast_in_float32(eqn: Any, invals: list, float32_of: Callable) -> list:
@@ -74,8 +77,12 @@ def broadcast_in_float32(eqn: Any, invals: list, float32_of: Callable) -> list:
     broadcast to the output shape (:func:`broadcast_to`), rounded back to its dtype."""
     if eqn.primitive.name not in BROADCASTING:
         return invals
-    return [broadcast_to(x, eqn.outvars[0].aval.shape, x.dtype, float32_of)
-            if is_low(getattr(x, "dtype", None)) and broadcasts(eqn, i, x) else x for i, x in enumerate(invals)]
+    return [
+        broadcast_to(x, eqn.outvars[0].aval.shape, x.dtype, float32_of)
+        if is_low(getattr(x, "dtype", None)) and broadcasts(eqn, i, x)
+        else x
+        for i, x in enumerate(invals)
+    ]
 
 
 def broadcast_to(x: Any, shape: tuple, dtype: Any, float32_of: Callable) -> Any:

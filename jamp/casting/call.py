@@ -67,8 +67,8 @@ class Env:
 
     def __init__(self, cache_enabled: bool):
         self.values: dict[Any, Any] = {}
-        self.lowered: set[Any] = set()           # outputs of matmuls run in the compute dtype (or reshaped)
-        self.origin_size: dict[Any, int] = {}    # vars that are broadcasts/reshapes of smaller arrays
+        self.lowered: set[Any] = set()  # outputs of matmuls run in the compute dtype (or reshaped)
+        self.origin_size: dict[Any, int] = {}  # vars that are broadcasts/reshapes of smaller arrays
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] | None = {} if cache_enabled else None
         self._rounded_from: dict[int, tuple[Any, Any]] = {}  # id(low) -> (low, the float32 value cast to it)
 
@@ -125,8 +125,9 @@ class Call:
     def bind(self, invals=None, **param_updates):
         """Bind with these inputs; an op that would sum many float16/bfloat16 elements, in its result or
         in its transpose, runs on float32 and rounds once to that dtype (:mod:`jamp.casting.accumulation`)."""
-        invals = accumulation.broadcast_in_float32(self.eqn, self.invals if invals is None else invals,
-                                                   self.env.float32_of)
+        invals = accumulation.broadcast_in_float32(
+            self.eqn, self.invals if invals is None else invals, self.env.float32_of
+        )
         params = {**self.eqn.params, **param_updates}
         low = accumulation.widened_dtype(self.eqn, invals)
         if low is None:
@@ -157,15 +158,19 @@ class Call:
         return self.ctx.descend(extra) if extra else self.ctx
 
     def cast_to_recorded(self) -> list:
-        return [self.env.cast(x, self.recorded_dtype(i)) if is_float(x) and is_eligible(x.dtype) else x
-                for i, x in enumerate(self.invals)]
+        return [
+            self.env.cast(x, self.recorded_dtype(i)) if is_float(x) and is_eligible(x.dtype) else x
+            for i, x in enumerate(self.invals)
+        ]
 
 
 def cast_outputs(outs, out_dtypes):
     if out_dtypes is None:
         return outs
-    return [cast(o, d) if is_float(o) and d is not None and jnp.issubdtype(d, jnp.floating) else o
-            for o, d in zip(outs, out_dtypes)]
+    return [
+        cast(o, d) if is_float(o) and d is not None and jnp.issubdtype(d, jnp.floating) else o
+        for o, d in zip(outs, out_dtypes)
+    ]
 
 
 def avals_of(values) -> tuple:

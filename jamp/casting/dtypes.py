@@ -14,9 +14,16 @@ FLOAT32 = np.dtype(jnp.float32)
 ELIGIBLE_DTYPES = (*LOW_DTYPES, FLOAT32)
 
 DTYPE_NAMES = {
-    "float16": jnp.float16, "f16": jnp.float16, "fp16": jnp.float16, "half": jnp.float16,
-    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
-    "float32": jnp.float32, "f32": jnp.float32, "fp32": jnp.float32, "full": jnp.float32,
+    "float16": jnp.float16,
+    "f16": jnp.float16,
+    "fp16": jnp.float16,
+    "half": jnp.float16,
+    "bfloat16": jnp.bfloat16,
+    "bf16": jnp.bfloat16,
+    "float32": jnp.float32,
+    "f32": jnp.float32,
+    "fp32": jnp.float32,
+    "full": jnp.float32,
 }
 
 
@@ -37,8 +44,10 @@ def parse_dtype(value: Any, argname: str, allowed=LOW_DTYPES) -> np.dtype:
     except TypeError:
         dtype = None
     if dtype is None or dtype not in allowed:
-        raise ValueError(f"{argname}={value!r} is not supported; allowed: {allowed_names} "
-                         f"(dtype objects or the strings {sorted(k for k, v in DTYPE_NAMES.items() if np.dtype(v) in allowed)})")
+        raise ValueError(
+            f"{argname}={value!r} is not supported; allowed: {allowed_names} "
+            f"(dtype objects or the strings {sorted(k for k, v in DTYPE_NAMES.items() if np.dtype(v) in allowed)})"
+        )
     return dtype
 
 

@@ -49,13 +49,19 @@ class EquinoxAutocast(Autocast):
         super().__init__(fun, **options)
         self._module, self._method = module, method
         # the options as validated (hashable): the pytree's aux data and, with the method, the shared cache's key
-        self._options = (("dtype", self._dtype), ("device_type", self._device_type), ("enabled", self.enabled),
-                         ("cache_enabled", self.cache_enabled), ("policy", self._policy_arg),
-                         ("static_argnums", self.static_argnums),
-                         ("static_argnames", tuple(sorted(self.static_argnames))))
+        self._options = (
+            ("dtype", self._dtype),
+            ("device_type", self._device_type),
+            ("enabled", self.enabled),
+            ("cache_enabled", self.cache_enabled),
+            ("policy", self._policy_arg),
+            ("static_argnums", self.static_argnums),
+            ("static_argnames", tuple(sorted(self.static_argnames))),
+        )
         with _SHARED_LOCK:
             self._cache, self._cache_lock, self._traces = _SHARED.setdefault(
-                (method, self._options), (self._cache, self._cache_lock, self._traces))
+                (method, self._options), (self._cache, self._cache_lock, self._traces)
+            )
 
     def _prepare(self, args: tuple, kwargs: dict):
         return super()._prepare(args, {**kwargs, _MODULE: self._module})
@@ -72,5 +78,9 @@ class EquinoxAutocast(Autocast):
     def tree_unflatten(cls, aux: tuple, children: tuple) -> EquinoxAutocast:
         method, options = aux
         (module,) = children
-        fun = module if method is getattr(type(module), "__call__", None) else functools.partial(method, module)
+        fun = (
+            module
+            if method is vars(type(module)).get("__call__", type(module).__call__)
+            else functools.partial(method, module)
+        )
         return cls(fun, module, method, **dict(options))

@@ -34,8 +34,7 @@ def bilinear_float32_output(primitive: Any, params: dict, compute_dtype: Any) ->
     def matmul_jvp(primals, tangents):
         lhs, rhs = primals
         d_lhs, d_rhs = (t.astype(compute_dtype) for t in tangents)
-        tangent = (primitive.bind(d_lhs, rhs, **low).astype(FLOAT32)
-                   + primitive.bind(lhs, d_rhs, **low).astype(FLOAT32))
+        tangent = primitive.bind(d_lhs, rhs, **low).astype(FLOAT32) + primitive.bind(lhs, d_rhs, **low).astype(FLOAT32)
         # the primal as a plain matmul, not a nested custom_jvp call, so that remat policies see a dot
         return primitive.bind(lhs, rhs, **exact), tangent
 

@@ -69,8 +69,8 @@ def quantize(x: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
     the step."""
     x32 = rounding.to_float32(x)  # the numbers a float16/bfloat16 x holds, as x's other consumers see them
     amax = jnp.max(jnp.abs(x32))
-    mantissa, exponent = jnp.frexp(amax)               # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
-    max_mantissa, max_exponent = np.frexp(fmt.max)     # e4m3fn: 448 = 0.875 * 2**9
+    mantissa, exponent = jnp.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
+    max_mantissa, max_exponent = np.frexp(fmt.max)  # e4m3fn: 448 = 0.875 * 2**9
     e = max_exponent - exponent - (mantissa > max_mantissa).astype(jnp.int32)
     e = jnp.clip(jnp.where(amax > 0, e, 0), -MAX_EXPONENT, MAX_EXPONENT)
     finite = jnp.isfinite(amax)
@@ -94,8 +94,10 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, out_dtype) ->
     (lhs_contract, rhs_contract), batch = dimension_numbers
     dims = ((tuple(lhs_contract), tuple(rhs_contract)), tuple(map(tuple, batch)))
     if not eligible(lhs.shape, rhs.shape, dims):
-        raise ValueError(f"fp8 dot_general: shapes {lhs.shape} x {rhs.shape} with dimension_numbers={dims} are "
-                         f"not a batch-free GEMM with extents in multiples of {ALIGNMENT}")
+        raise ValueError(
+            f"fp8 dot_general: shapes {lhs.shape} x {rhs.shape} with dimension_numbers={dims} are "
+            f"not a batch-free GEMM with extents in multiples of {ALIGNMENT}"
+        )
     return _dot(lhs, rhs, _Static(dims, np.dtype(out_dtype), np.dtype(lhs.dtype), np.dtype(rhs.dtype)))
 
 
@@ -123,7 +125,7 @@ def _dot_bwd(static: _Static, residuals, g):
     (lhs_contract, rhs_contract), _ = static.dimension_numbers
     lhs_free = [d for d in range(lhs8.ndim) if d not in lhs_contract]
     rhs_free = [d for d in range(rhs8.ndim) if d not in rhs_contract]
-    g_lhs = tuple(range(len(lhs_free)))                       # g's dimensions: lhs free, then rhs free
+    g_lhs = tuple(range(len(lhs_free)))  # g's dimensions: lhs free, then rhs free
     g_rhs = tuple(range(len(lhs_free), len(lhs_free) + len(rhs_free)))
 
     # g . rhs: dimensions (lhs free..., rhs contracting in ascending order)

@@ -58,8 +58,10 @@ INPUT_DTYPE = {
 def input_dtypes(mode: str, compute_dtype, dtypes: Sequence, recorded: Sequence) -> tuple:
     """The dtype each input of a lower-precision call is traced with in region ``mode``."""
     choose = INPUT_DTYPE[EFFECTIVE_RULE[mode][oplists.LOWER]]
-    return tuple(np.dtype(choose(d, r, compute_dtype)) if jnp.issubdtype(d, jnp.floating) else d
-                 for d, r in zip(dtypes, recorded))
+    return tuple(
+        np.dtype(choose(d, r, compute_dtype)) if jnp.issubdtype(d, jnp.floating) else d
+        for d, r in zip(dtypes, recorded)
+    )
 
 
 def _is_input(x: Any) -> bool:

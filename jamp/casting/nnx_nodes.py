@@ -63,8 +63,9 @@ def call(invoke: Callable, args: list, kwargs: dict) -> tuple[Any, Any]:
     graphdef, state = kwargs.pop(STATE)
     before = {path: jax.tree.flatten(v) for path, v in nnx.to_flat_state(state)}  # merge reuses the Variables
     copies = nnx.merge(graphdef, state)
-    args, kwargs = jax.tree.map(lambda x: copies[x.index] if isinstance(x, _Slot) else x, (args, kwargs),
-                                is_leaf=lambda x: isinstance(x, _Slot))
+    args, kwargs = jax.tree.map(
+        lambda x: copies[x.index] if isinstance(x, _Slot) else x, (args, kwargs), is_leaf=lambda x: isinstance(x, _Slot)
+    )
     out = _hinted(invoke, args, kwargs)
     new_graphdef, new_state = nnx.split(copies)
     if new_graphdef != graphdef:
@@ -75,7 +76,8 @@ def call(invoke: Callable, args: list, kwargs: dict) -> tuple[Any, Any]:
             "carries such changes; jamp.autocast writes back the values of the variables the module had, any "
             "value, so create them before the call (in `__init__`, `nnx.Variable(None)` for a value filled "
             "later), keep counters in a Variable, and collect sown values with `nnx.capture(amp_call, "
-            "nnx.Intermediate)(model, x)`, where `amp_call = jamp.autocast(lambda m, x: m(x))`.")
+            "nnx.Intermediate)(model, x)`, where `amp_call = jamp.autocast(lambda m, x: m(x))`."
+        )
     changed = [(path, v) for path, v in nnx.to_flat_state(new_state) if _written(jax.tree.flatten(v), before[path])]
     return out, nnx.from_flat_state(changed)
 
@@ -92,7 +94,8 @@ def _hinted(invoke: Callable, args: list, kwargs: dict) -> Any:
                 "jamp.autocast: the function wrote to an NNX object it closes over, which a traced call cannot "
                 "update (nnx.jit raises the same). Pass the module as an argument and jamp writes back what the "
                 "call changed: `amp_call = jamp.autocast(lambda m, x: m(x))`, then `amp_call(model, x)`; or "
-                "`jamp.autocast(model)(x)`.")
+                "`jamp.autocast(model)(x)`."
+            )
         raise
 
 
@@ -120,4 +123,5 @@ def write_back(nodes: tuple, writes: Any) -> None:
             "and called inside it, where nnx.jit hands the function a copy of the model. Pass the module "
             "through the transformation and autocast what it receives: `amp_call = jamp.autocast(lambda m, x: "
             "m(x))` once, then `amp_call(model, x)` inside the jitted function, on the `model` it was given "
-            "(or `jamp.autocast(model)(x)` there).") from error
+            "(or `jamp.autocast(model)(x)` there)."
+        ) from error

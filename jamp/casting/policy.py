@@ -23,10 +23,10 @@ from jamp.casting.dtypes import (
 
 # Region modes: how the equations inside a matched region are evaluated.
 AUTOCAST = "autocast"  # the policy's per-primitive categories (the mode outside any rule)
-COMPUTE = "compute"    # every floating op in the compute dtype (linear algebra excepted)
+COMPUTE = "compute"  # every floating op in the compute dtype (linear algebra excepted)
 FLOAT32_OUTPUT = "float32_output"  # as autocast, but matmuls emit their float32 accumulator (attention logits)
-NATIVE = "native"      # like one unlisted op: no casts beyond what keeps the program well-typed
-OFF = "off"            # the original program: inputs cast back to the dtypes the jaxpr recorded
+NATIVE = "native"  # like one unlisted op: no casts beyond what keeps the program well-typed
+OFF = "off"  # the original program: inputs cast back to the dtypes the jaxpr recorded
 MODES = (AUTOCAST, oplists.FLOAT32, FLOAT32_OUTPUT, COMPUTE, NATIVE, OFF)
 
 
@@ -88,8 +88,18 @@ class Policy:
         if not isinstance(self.fp8, (bool, np.bool_)):
             raise TypeError(f"fp8={self.fp8!r} must be a bool")
         set_("fp8", bool(self.fp8))
-        set_("_key", (self.compute_dtype, self.device_type, self.categories, self.rules,
-                      self.output_dtype, self.param_dtype, self.fp8))
+        set_(
+            "_key",
+            (
+                self.compute_dtype,
+                self.device_type,
+                self.categories,
+                self.rules,
+                self.output_dtype,
+                self.param_dtype,
+                self.fp8,
+            ),
+        )
         set_("_hash", hash(self._key))
 
     def __hash__(self) -> int:
@@ -99,9 +109,11 @@ class Policy:
         return isinstance(other, Policy) and self._key == other._key
 
     def __repr__(self) -> str:
-        return (f"Policy(device_type={self.device_type!r}, compute_dtype={self.compute_dtype.name}, "
-                f"output_dtype={getattr(self.output_dtype, 'name', None)}, rules={len(self.rules)}"
-                f"{', fp8=True' if self.fp8 else ''})")
+        return (
+            f"Policy(device_type={self.device_type!r}, compute_dtype={self.compute_dtype.name}, "
+            f"output_dtype={getattr(self.output_dtype, 'name', None)}, rules={len(self.rules)}"
+            f"{', fp8=True' if self.fp8 else ''})"
+        )
 
     def category(self, primitive_name: str) -> str:
         """The category of a primitive; unlisted primitives are ``default`` (recorded dtypes)."""
@@ -155,8 +167,10 @@ def builtin_policy(device_type: str, dtype: Any = None) -> Policy:
     """The seed's op lists for ``device_type`` ("gpu"/"cuda", "cpu", "tpu")."""
     device = oplists.DEVICE_ALIASES.get(device_type) if isinstance(device_type, str) else None
     if device is None:
-        raise ValueError(f"device_type={device_type!r} is not supported; allowed: "
-                         f"{sorted(oplists.DEVICE_ALIASES)} or None (jax.default_backend())")
+        raise ValueError(
+            f"device_type={device_type!r} is not supported; allowed: "
+            f"{sorted(oplists.DEVICE_ALIASES)} or None (jax.default_backend())"
+        )
     oplist = oplists.OPLIST_OF_DEVICE[device]
     rules = tuple(RegionRule(p, m, w) for p, m, w in oplists.JIT_RULES[oplist] + oplists.SCOPE_RULES[oplist])
     return Policy(
@@ -171,11 +185,23 @@ def default_device_type() -> str:
     return oplists.DEVICE_ALIASES.get(jax.default_backend(), "gpu")
 
 
-_KEY_ALIASES = {"p": "params", "param": "params", "params": "params", "c": "compute", "compute": "compute",
-                "o": "output", "output": "output", "d": "device", "device": "device"}
+_KEY_ALIASES = {
+    "p": "params",
+    "param": "params",
+    "params": "params",
+    "c": "compute",
+    "compute": "compute",
+    "o": "output",
+    "output": "output",
+    "d": "device",
+    "device": "device",
+}
 # name -> (device, compute dtype, fp8); "fp8": float8 matmuls, every other op as the bfloat16 GPU policy
-_NAMED = {"mixed_float16": ("gpu", "float16", False), "mixed_bfloat16": (None, "bfloat16", False),
-          "fp8": ("gpu", "bfloat16", True)}
+_NAMED = {
+    "mixed_float16": ("gpu", "float16", False),
+    "mixed_bfloat16": (None, "bfloat16", False),
+    "fp8": ("gpu", "bfloat16", True),
+}
 # The names a policy string may be, without "=": (what they are, the names).
 _NAME_FORMS = (
     ("a device name", tuple(sorted(oplists.DEVICE_ALIASES))),
@@ -188,8 +214,10 @@ def _unknown_name(spec: str, text: str) -> ValueError:
     forms = "; ".join(f"{what} ({', '.join(map(repr, names))})" for what, names in _NAME_FORMS)
     close = difflib.get_close_matches(text, [n for _, names in _NAME_FORMS for n in names], n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    return ValueError(f"policy {spec!r} is not a policy name. A policy string is {forms}; or jmp's key list such "
-                      f"as 'p=f32,c=bf16,o=f32' with keys {sorted(_KEY_ALIASES)}.{hint}")
+    return ValueError(
+        f"policy {spec!r} is not a policy name. A policy string is {forms}; or jmp's key list such "
+        f"as 'p=f32,c=bf16,o=f32' with keys {sorted(_KEY_ALIASES)}.{hint}"
+    )
 
 
 def get_policy(spec: str | Policy, *, device_type: str | None = None) -> Policy:
@@ -221,16 +249,19 @@ def get_policy(spec: str | Policy, *, device_type: str | None = None) -> Policy:
         for item in filter(None, (s.strip() for s in text.split(","))):
             key, sep, value = (s.strip() for s in item.partition("="))
             if not sep or key not in _KEY_ALIASES:
-                raise ValueError(f"policy {spec!r}: cannot parse {item!r}; expected key=value with keys "
-                                 f"{sorted(_KEY_ALIASES)}")
+                raise ValueError(
+                    f"policy {spec!r}: cannot parse {item!r}; expected key=value with keys {sorted(_KEY_ALIASES)}"
+                )
             if _KEY_ALIASES[key] in fields:
                 raise ValueError(f"policy {spec!r}: key {_KEY_ALIASES[key]!r} given twice; give each key once")
             fields[_KEY_ALIASES[key]] = value
     device = fields.get("device") or device_type or default_device_type()
     compute = fields.get("compute")
     if compute is not None and parse_dtype(compute, "policy compute dtype", (*LOW_DTYPES, FLOAT32)) == FLOAT32:
-        raise ValueError(f"policy {spec!r}: compute dtype float32 means no mixed precision; "
-                         "use autocast(enabled=False) instead, or one of float16, bfloat16")
+        raise ValueError(
+            f"policy {spec!r}: compute dtype float32 means no mixed precision; "
+            "use autocast(enabled=False) instead, or one of float16, bfloat16"
+        )
     policy = builtin_policy(device, compute)
     return dataclasses.replace(
         policy,

@@ -17,8 +17,14 @@ from typing import Any, NamedTuple
 from jamp.casting import oplists
 from jamp.casting.policy import AUTOCAST, COMPUTE, FLOAT32_OUTPUT, NATIVE, OFF, Policy
 
-F32, LOWER, PROMOTE, PASS, DEFAULT, LINALG = (oplists.FLOAT32, oplists.LOWER, oplists.PROMOTE,
-                                              oplists.PASSTHROUGH, oplists.DEFAULT, oplists.LINALG)
+F32, LOWER, PROMOTE, PASS, DEFAULT, LINALG = (
+    oplists.FLOAT32,
+    oplists.LOWER,
+    oplists.PROMOTE,
+    oplists.PASSTHROUGH,
+    oplists.DEFAULT,
+    oplists.LINALG,
+)
 # The leaf rule that lowers a matmul's inputs but keeps its float32 result (not a category of its own).
 LOWER_F32_OUT = "lower_float32_output"
 
@@ -26,11 +32,11 @@ LOWER_F32_OUT = "lower_float32_output"
 # the region asks for; "off" is the original program.
 EFFECTIVE_RULE: dict[str, dict[str, str]] = {
     AUTOCAST: {LOWER: LOWER, F32: F32, LINALG: F32, PROMOTE: PROMOTE, PASS: PASS, DEFAULT: DEFAULT},
-    F32:      {LOWER: F32, F32: F32, LINALG: F32, PROMOTE: F32, PASS: F32, DEFAULT: DEFAULT},
+    F32: {LOWER: F32, F32: F32, LINALG: F32, PROMOTE: F32, PASS: F32, DEFAULT: DEFAULT},
     FLOAT32_OUTPUT: {LOWER: LOWER_F32_OUT, F32: F32, LINALG: F32, PROMOTE: PROMOTE, PASS: PASS, DEFAULT: DEFAULT},
-    COMPUTE:  {LOWER: LOWER, F32: LOWER, LINALG: F32, PROMOTE: LOWER, PASS: LOWER, DEFAULT: DEFAULT},
-    NATIVE:   {LOWER: PROMOTE, F32: PROMOTE, LINALG: F32, PROMOTE: PROMOTE, PASS: PASS, DEFAULT: DEFAULT},
-    OFF:      {LOWER: DEFAULT, F32: DEFAULT, LINALG: DEFAULT, PROMOTE: DEFAULT, PASS: DEFAULT, DEFAULT: DEFAULT},
+    COMPUTE: {LOWER: LOWER, F32: LOWER, LINALG: F32, PROMOTE: LOWER, PASS: LOWER, DEFAULT: DEFAULT},
+    NATIVE: {LOWER: PROMOTE, F32: PROMOTE, LINALG: F32, PROMOTE: PROMOTE, PASS: PASS, DEFAULT: DEFAULT},
+    OFF: {LOWER: DEFAULT, F32: DEFAULT, LINALG: DEFAULT, PROMOTE: DEFAULT, PASS: DEFAULT, DEFAULT: DEFAULT},
 }
 
 

@@ -47,8 +47,9 @@ def _replay(closed: jc.ClosedJaxpr, args: list) -> list:
     for eqn, op in zip(jaxpr.eqns, _plan(closed)):
         with jc.user_context(eqn), eqn.ctx.manager:
             if op is None:
-                outs = eqn.primitive.bind(*[_read(env, v) for v in eqn.invars],
-                                          **eqn.primitive.get_bind_params(eqn.params))
+                outs = eqn.primitive.bind(
+                    *[_read(env, v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params)
+                )
             else:
                 outs = op(*[env[v] for v in eqn.invars if not isinstance(v, jc.Literal)])
         env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results or op is not None else [outs]))
@@ -83,7 +84,7 @@ class _Literal:
     """A literal input in an op's key: equal to another of the same type, dtype and bits (``1``, ``1.0`` and
     ``True`` are three ops); it keeps the value the equation binds."""
 
-    __slots__ = ("value", "_key")
+    __slots__ = ("_key", "value")
 
     def __init__(self, value: Any):
         array = np.asarray(value)
@@ -103,8 +104,10 @@ def _one_op(primitive: Any, params: tuple, inputs: tuple) -> Callable:
 
     def op(*xs):
         it = iter(xs)
-        out = primitive.bind(*[spec.value if isinstance(spec, _Literal) else next(it) for spec in inputs],
-                             **primitive.get_bind_params(dict(params)))
+        out = primitive.bind(
+            *[spec.value if isinstance(spec, _Literal) else next(it) for spec in inputs],
+            **primitive.get_bind_params(dict(params)),
+        )
         return out if primitive.multiple_results else [out]
 
     closed = jax.make_jaxpr(op)(*avals)

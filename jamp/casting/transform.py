@@ -100,8 +100,10 @@ def _same(a: Any, b: Any) -> bool:
 
 def _check_device_type(device_type: str | None) -> str | None:
     if device_type is not None and (not isinstance(device_type, str) or device_type not in oplists.DEVICE_ALIASES):
-        raise ValueError(f"device_type={device_type!r} is not supported; allowed: "
-                         f"{sorted(oplists.DEVICE_ALIASES)} or None (jax.default_backend())")
+        raise ValueError(
+            f"device_type={device_type!r} is not supported; allowed: "
+            f"{sorted(oplists.DEVICE_ALIASES)} or None (jax.default_backend())"
+        )
     return device_type
 
 
@@ -162,8 +164,13 @@ def _checked_options(dtype, device_type, enabled, cache_enabled, policy) -> tupl
         raise TypeError(f"policy must be a jamp.Policy or a policy string, got {type(policy).__name__}")
     if isinstance(policy, str):  # validate now; resolving the device waits for the first call
         get_policy(policy, device_type=device_type or "gpu")
-    return (None if dtype is None else parse_dtype(dtype, "dtype"), _check_device_type(device_type),
-            checked_bool("enabled", enabled), checked_bool("cache_enabled", cache_enabled), policy)
+    return (
+        None if dtype is None else parse_dtype(dtype, "dtype"),
+        _check_device_type(device_type),
+        checked_bool("enabled", enabled),
+        checked_bool("cache_enabled", cache_enabled),
+        policy,
+    )
 
 
 def _resolve_policy(policy_arg: Policy | str | None, device_type: str | None, dtype: Any) -> Policy:
@@ -188,11 +195,13 @@ def _region_of(enabled: bool, dtype: Any, device_type: str | None, policy_arg: P
 class Autocast:
     """The function returned by :func:`autocast`."""
 
-    def __init__(self, fun: Callable, *, dtype, device_type, enabled, cache_enabled, policy,
-                 static_argnums, static_argnames):
+    def __init__(
+        self, fun: Callable, *, dtype, device_type, enabled, cache_enabled, policy, static_argnums, static_argnames
+    ):
         self.fun = fun
         self._dtype, self._device_type, self.enabled, self.cache_enabled, self._policy_arg = _checked_options(
-            dtype, device_type, enabled, cache_enabled, policy)
+            dtype, device_type, enabled, cache_enabled, policy
+        )
         self.static_argnums = _static_argnums(static_argnums)
         self.static_argnames = _static_argnames(static_argnames)
         self._cache: collections.OrderedDict = collections.OrderedDict()
@@ -280,14 +289,21 @@ class Autocast:
 
     def _traced_note(self, error: Exception, rest_args: tuple, rest_kwargs: dict, static_args: dict) -> str:
         """JAX names the traced inputs ``dynamic[i]``: say which argument each one is."""
-        names = [n for n, traced in zip(self._leaf_names(rest_args, rest_kwargs, static_args),
-                                        _traced_mask((rest_args, rest_kwargs))) if traced]
+        names = [
+            n
+            for n, traced in zip(
+                self._leaf_names(rest_args, rest_kwargs, static_args), _traced_mask((rest_args, rest_kwargs))
+            )
+            if traced
+        ]
         cited = sorted({int(i) for i in re.findall(r"dynamic\[(\d+)\]", str(error))})
         which = ", ".join(f"dynamic[{i}] is {names[i]}" for i in cited if i < len(names))
-        return (f"jamp.autocast({_name(self.fun)}): {which + '. ' if which else ''}jamp.autocast traces array "
-                "arguments and Python floats, as jax.jit does (bools, ints, strings and other objects are "
-                "static). To use a value in Python control flow, make it static with static_argnums or "
-                "static_argnames.")
+        return (
+            f"jamp.autocast({_name(self.fun)}): {which + '. ' if which else ''}jamp.autocast traces array "
+            "arguments and Python floats, as jax.jit does (bools, ints, strings and other objects are "
+            "static). To use a value in Python control flow, make it static with static_argnums or "
+            "static_argnames."
+        )
 
     def _count_trace(self, signature: tuple, dynamic: list) -> None:
         """Warn once when one array signature has been traced again and again because a static value
@@ -313,19 +329,29 @@ class Autocast:
         self._warned_retrace = True
         rest_args, rest_kwargs = _unflatten(treedef, dynamic_mask, dynamic, static_leaves)
         leaf_names = self._leaf_names(rest_args, rest_kwargs, static_args)
-        names = ([n for n, d in zip(leaf_names, dynamic_mask) if not d]
-                 + [self._positional_name(i) for i in static_args] + list(static_kwargs))
+        names = (
+            [n for n, d in zip(leaf_names, dynamic_mask) if not d]
+            + [self._positional_name(i) for i in static_args]
+            + list(static_kwargs)
+        )
         i, changed = count.changes.most_common(1)[0]
         if _hashable(values[i]):
-            why = (f"the argument {names[i]} changed {changed} times (last value {shown(values[i])}). It is static "
-                   "(part of the cache key): each new value traces and compiles again. Pass it as an array "
-                   "(jnp.asarray(...)) to trace it once, as jax.jit does")
+            why = (
+                f"the argument {names[i]} changed {changed} times (last value {shown(values[i])}). It is static "
+                "(part of the cache key): each new value traces and compiles again. Pass it as an array "
+                "(jnp.asarray(...)) to trace it once, as jax.jit does"
+            )
         else:
-            why = (f"the argument {names[i]} is not hashable ({shown(values[i])}), so no trace of it is cached. "
-                   "Pass a hashable value (a tuple) or an array")
+            why = (
+                f"the argument {names[i]} is not hashable ({shown(values[i])}), so no trace of it is cached. "
+                "Pass a hashable value (a tuple) or an array"
+            )
         warnings.warn(
             f"jamp.autocast({_name(self.fun)}) has traced the same array shapes and dtypes {count.count} times "
-            f"because {why}.", UserWarning, stacklevel=4)
+            f"because {why}.",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def rewrite(self, *args, recorder: Any = None, **kwargs) -> tuple[jc.ClosedJaxpr, Any]:
         """The rewritten program for these arguments and its output tree; ``recorder`` (see
@@ -383,16 +409,20 @@ class Autocast:
                 raise TypeError(
                     f"jamp.autocast: {_name(self.fun)} returned {type(leaf).__name__} {shown(leaf)} as {where}; "
                     "an autocast function returns what a jax.jit function can: a pytree of arrays and Python "
-                    "numbers (None is an empty subtree). Return other values from a function around it.")
+                    "numbers (None is an empty subtree). Return other values from a function around it."
+                )
         return out
 
-    def _trace(self, avals, treedef, dynamic_mask, static_leaves, static_args, static_kwargs,
-               recorder: Any = None) -> _Entry:
+    def _trace(
+        self, avals, treedef, dynamic_mask, static_leaves, static_args, static_kwargs, recorder: Any = None
+    ) -> _Entry:
         closed, out_tree = self._original(avals, treedef, dynamic_mask, static_leaves, static_args, static_kwargs)
         policy = self.policy
         n_own = out_tree.children()[0].num_leaves  # the function's own outputs, before the NNX writes
-        out_dtypes = tuple(policy.output_dtype if i < n_own and policy.output_dtype is not None
-                           and is_eligible(a.dtype) else a.dtype for i, a in enumerate(closed.out_avals))
+        out_dtypes = tuple(
+            policy.output_dtype if i < n_own and policy.output_dtype is not None and is_eligible(a.dtype) else a.dtype
+            for i, a in enumerate(closed.out_avals)
+        )
         ctx = Context(policy, AUTOCAST, (), self.cache_enabled, recorder)
         return _Entry(trace_jaxpr(closed, tuple(closed.in_avals), ctx, out_dtypes), out_tree)
 
@@ -412,8 +442,8 @@ class AutocastSpec:
     def __init__(self, options: dict):
         self._options = options
         self._dtype, self._device_type, self._enabled, _, self._policy_arg = _checked_options(
-            options["dtype"], options["device_type"], options["enabled"], options["cache_enabled"],
-            options["policy"])
+            options["dtype"], options["device_type"], options["enabled"], options["cache_enabled"], options["policy"]
+        )
         self._scopes = threading.local()
 
     def __call__(self, fun: Callable) -> Autocast:
@@ -431,11 +461,13 @@ class AutocastSpec:
 
     def __enter__(self) -> None:
         if any(not _same(self._options[k], _DEFAULT_OPTIONS[k]) for k in ("static_argnums", "static_argnames")):
-            raise TypeError("static_argnums and static_argnames describe a function's arguments; "
-                            f"a `with {self!r}:` block has none")
+            raise TypeError(
+                f"static_argnums and static_argnames describe a function's arguments; a `with {self!r}:` block has none"
+            )
         if tracing_depth():
-            scope = jax.named_scope(marker_for(_region_of(self._enabled, self._dtype, self._device_type,
-                                                          self._policy_arg)))
+            scope = jax.named_scope(
+                marker_for(_region_of(self._enabled, self._dtype, self._device_type, self._policy_arg))
+            )
         elif not self._enabled:
             scope = contextlib.nullcontext()
         else:
@@ -445,7 +477,8 @@ class AutocastSpec:
                 "rewrites a whole function (its jaxpr), so it takes the function: write "
                 f"`jamp.autocast(fn{', ' + given if given else ''})(*args)` or decorate it with "
                 f"`@{self!r}`. Inside such a function, `with jamp.autocast(enabled=False):` and "
-                "`with jamp.autocast(dtype=...):` mark regions.")
+                "`with jamp.autocast(dtype=...):` mark regions."
+            )
         scope.__enter__()
         self._scopes.__dict__.setdefault("stack", []).append(scope)
 
@@ -453,10 +486,18 @@ class AutocastSpec:
         return self._scopes.stack.pop().__exit__(*exc)
 
 
-def autocast(fun: Callable | None = None, /, *, dtype: Any = None, device_type: str | None = None,
-             enabled: bool = True, cache_enabled: bool = True, policy: Policy | str | None = None,
-             static_argnums: int | Sequence[int] = (),
-             static_argnames: str | Sequence[str] = ()) -> Autocast | AutocastSpec:
+def autocast(
+    fun: Callable | None = None,
+    /,
+    *,
+    dtype: Any = None,
+    device_type: str | None = None,
+    enabled: bool = True,
+    cache_enabled: bool = True,
+    policy: Policy | str | None = None,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+) -> Autocast | AutocastSpec:
     """Run ``fun`` with automatic mixed precision (torch's ``autocast``, as a function transformation).
 
     Matmuls and convolutions run in ``dtype`` (float16 on ``device_type="gpu"``, bfloat16 on
@@ -473,24 +514,34 @@ def autocast(fun: Callable | None = None, /, *, dtype: Any = None, device_type: 
     arrays that ``fun`` closes over are constants of the trace, except for an NNX or Equinox module (or a
     bound method of one) given as ``fun``, whose current arrays are inputs of every call.
     """
-    options = {"dtype": dtype, "device_type": device_type, "enabled": enabled, "cache_enabled": cache_enabled,
-               "policy": policy, "static_argnums": static_argnums, "static_argnames": static_argnames}
+    options = {
+        "dtype": dtype,
+        "device_type": device_type,
+        "enabled": enabled,
+        "cache_enabled": cache_enabled,
+        "policy": policy,
+        "static_argnums": static_argnums,
+        "static_argnames": static_argnames,
+    }
     if fun is None:
         return AutocastSpec(options)
     if not callable(fun):
         raise torch_names.autocast_needs_a_function(fun, options, _DEFAULT_OPTIONS)
     from jamp.casting import equinox_module, nnx_module  # they subclass Autocast
 
-    for bound_module, module_autocast in ((nnx_module.bound_module, nnx_module.ModuleAutocast),
-                                          (equinox_module.bound_module, equinox_module.EquinoxAutocast)):
+    for bound_module, module_autocast in (
+        (nnx_module.bound_module, nnx_module.ModuleAutocast),
+        (equinox_module.bound_module, equinox_module.EquinoxAutocast),
+    ):
         bound = bound_module(fun)
         if bound is not None:
             return module_autocast(fun, *bound, **options)
     return Autocast(fun, **options)
 
 
-_DEFAULT_OPTIONS = {name: p.default for name, p in inspect.signature(autocast).parameters.items()
-                    if p.kind is p.KEYWORD_ONLY}
+_DEFAULT_OPTIONS = {
+    name: p.default for name, p in inspect.signature(autocast).parameters.items() if p.kind is p.KEYWORD_ONLY
+}
 
 
 def custom_fwd(fun: Callable | None = None, /, *, cast_inputs: Any = None):

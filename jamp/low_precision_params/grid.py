@@ -55,6 +55,7 @@ def stochastic(x: jax.Array, dtype: np.dtype, uniform: jax.Array) -> jax.Array:
     Exact, not just close: the distance is a float32 multiple of 2**-16 (bfloat16) or 2**-13 (float16 normals),
     and ``uniform < distance`` for a ``jax.random.uniform`` draw (a multiple of 2**-23) has that probability.
     """
+
     def floor_or_up(scaled: jax.Array) -> jax.Array:
         low = jnp.floor(scaled)
         return jnp.where(uniform < scaled - low, low + 1.0, low)

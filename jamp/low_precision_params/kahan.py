@@ -29,8 +29,9 @@ class KahanSummationState(NamedTuple):
     inner_state: optax.OptState
 
 
-def _compensated(old: jax.Array, update: jax.Array, compensation: jax.Array,
-                 dtype: np.dtype) -> tuple[jax.Array, jax.Array]:
+def _compensated(
+    old: jax.Array, update: jax.Array, compensation: jax.Array, dtype: np.dtype
+) -> tuple[jax.Array, jax.Array]:
     """One step of Kahan summation: the sum ``old + update + compensation`` is formed in float32 (as a GPU's
     bfloat16 arithmetic does), rounded to ``dtype`` for the parameter, and what that rounding lost (exact in
     float32) is rounded to ``dtype`` for the buffer. A zero update leaves both as they are (a skipped or
@@ -44,8 +45,9 @@ def _compensated(old: jax.Array, update: jax.Array, compensation: jax.Array,
     return jnp.where(moved, new, old), jnp.where(moved, lost, carried).astype(compensation.dtype)
 
 
-def kahan_summation(inner: optax.GradientTransformation, *,
-                    state_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
+def kahan_summation(
+    inner: optax.GradientTransformation, *, state_dtype: Any = None
+) -> optax.GradientTransformationExtraArgs:
     """Wrap ``inner`` so that float16/bfloat16 parameters are updated with Kahan-compensated summation.
 
     ``update`` returns, for each float16/bfloat16 parameter, the float32 update ``new - old`` that makes
@@ -66,12 +68,13 @@ def kahan_summation(inner: optax.GradientTransformation, *,
         inner_state = leaves.inner_init(_WHO, inner_tx, params, state_dtype)
         return KahanSummationState(
             compensation=jax.tree.map(lambda p: jnp.zeros_like(p) if leaves.is_low(p) else None, params),
-            inner_state=inner_state)
+            inner_state=inner_state,
+        )
 
-    def update(grads: optax.Updates, state: KahanSummationState, params: optax.Params | None = None,
-               **extra: Any) -> tuple[optax.Updates, KahanSummationState]:
-        updates, inner_state = leaves.inner_update(_WHO, inner_tx, grads, state.inner_state, params, state_dtype,
-                                                   extra)
+    def update(
+        grads: optax.Updates, state: KahanSummationState, params: optax.Params | None = None, **extra: Any
+    ) -> tuple[optax.Updates, KahanSummationState]:
+        updates, inner_state = leaves.inner_update(_WHO, inner_tx, grads, state.inner_state, params, state_dtype, extra)
         updates, compensation = leaves.map_low(_compensated, params, updates, state.compensation)
         return updates, KahanSummationState(compensation=compensation, inner_state=inner_state)
 

@@ -40,15 +40,18 @@ def is_low(x: Any) -> bool:
 def check_params(who: str, params: Any) -> None:
     """A TypeError naming the first leaf of ``params`` whose dtype :data:`ROLE_OF_DTYPE` lacks."""
     if params is None:
-        raise ValueError(f"{who}: tx.update needs params (tx.update(grads, opt_state, params)): the new value of "
-                         "each low-precision parameter is computed from the old one")
+        raise ValueError(
+            f"{who}: tx.update needs params (tx.update(grads, opt_state, params)): the new value of "
+            "each low-precision parameter is computed from the old one"
+        )
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         dtype = getattr(leaf, "dtype", None)
         if dtype is None or np.dtype(dtype) not in ROLE_OF_DTYPE:
             raise TypeError(
                 f"{who}: params{jax.tree_util.keystr(path)} is {shown(leaf) if dtype is None else dtype}; "
                 "params must be float16 or bfloat16 arrays (their updates are treated) or float32/float64 arrays "
-                "(the inner optimizer's update is returned unchanged)")
+                "(the inner optimizer's update is returned unchanged)"
+            )
 
 
 def checked_state_dtype(who: str, state_dtype: Any) -> np.dtype | None:
@@ -60,8 +63,10 @@ def checked_state_dtype(who: str, state_dtype: Any) -> np.dtype | None:
     except TypeError:
         dtype = None
     if dtype != np.dtype(jnp.float32):
-        raise ValueError(f"{who}: state_dtype must be None (the inner optimizer sees the parameters' own dtype) or "
-                         f"float32, got {shown(state_dtype)}")
+        raise ValueError(
+            f"{who}: state_dtype must be None (the inner optimizer sees the parameters' own dtype) or "
+            f"float32, got {shown(state_dtype)}"
+        )
     return dtype
 
 
@@ -77,15 +82,23 @@ def _view(tree: Any, params: Any, state_dtype: np.dtype | None) -> Any:
     return jax.tree.map(lambda x, p: x.astype(state_dtype) if is_low(p) else x, tree, params)
 
 
-def inner_init(who: str, inner: optax.GradientTransformationExtraArgs, params: Any,
-               state_dtype: np.dtype | None) -> optax.OptState:
+def inner_init(
+    who: str, inner: optax.GradientTransformationExtraArgs, params: Any, state_dtype: np.dtype | None
+) -> optax.OptState:
     """``inner``'s state for ``params`` (seen in ``state_dtype`` where they are low precision)."""
     check_params(who, params)
     return inner.init(_view(params, params, state_dtype))
 
 
-def inner_update(who: str, inner: optax.GradientTransformationExtraArgs, grads: Any, inner_state: Any, params: Any,
-                 state_dtype: np.dtype | None, extra: dict) -> tuple[Any, Any]:
+def inner_update(
+    who: str,
+    inner: optax.GradientTransformationExtraArgs,
+    grads: Any,
+    inner_state: Any,
+    params: Any,
+    state_dtype: np.dtype | None,
+    extra: dict,
+) -> tuple[Any, Any]:
     """``inner.update`` on grads and params seen in ``state_dtype`` where the parameters are low precision."""
     check_params(who, params)
     return inner.update(_view(grads, params, state_dtype), inner_state, _view(params, params, state_dtype), **extra)
@@ -104,6 +117,7 @@ def map_low(leaf_step: Callable, params: Any, updates: Any, per_leaf: Any) -> tu
 
     Returns the landing updates (wide leaves: ``updates`` unchanged) and the tree of ``new_extra`` (None at
     wide leaves)."""
+
     def one(p, u, extra):
         if not is_low(p):
             return u, None
@@ -112,4 +126,4 @@ def map_low(leaf_step: Callable, params: Any, updates: Any, per_leaf: Any) -> tu
         return landing_update(new, old), new_extra
 
     pairs = jax.tree.map(one, params, updates, per_leaf)
-    return tuple(jax.tree.map(lambda _, pair: pair[i], params, pairs) for i in (0, 1))
+    return tuple(jax.tree.map(lambda _, pair, i=i: pair[i], params, pairs) for i in (0, 1))

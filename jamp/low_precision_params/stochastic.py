@@ -34,11 +34,15 @@ class StochasticRoundingState(NamedTuple):
 def _checked_seed(seed: Any) -> int:
     """``seed`` as an int in [0, 2**32): JAX without x64 keeps only the low 32 bits of a seed."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"{_WHO}: seed must be an int, got {shown(seed)} of type {type(seed).__name__} (under "
-                        "optax.inject_hyperparams, name it in static_args=('seed',))")
+        raise TypeError(
+            f"{_WHO}: seed must be an int, got {shown(seed)} of type {type(seed).__name__} (under "
+            "optax.inject_hyperparams, name it in static_args=('seed',))"
+        )
     if not 0 <= int(seed) < 2**32:
-        raise ValueError(f"{_WHO}: seed must be an int in [0, 2**32), got {shown(seed)} (JAX keeps 32 bits of a "
-                         "seed, so larger seeds would repeat smaller ones)")
+        raise ValueError(
+            f"{_WHO}: seed must be an int in [0, 2**32), got {shown(seed)} (JAX keeps 32 bits of a "
+            "seed, so larger seeds would repeat smaller ones)"
+        )
     return int(seed)
 
 
@@ -58,12 +62,14 @@ def _rounded(old: jax.Array, update: jax.Array, key: jax.Array, dtype: np.dtype)
 def _leaf_keys(step_key: jax.Array, params: Any) -> Any:
     """One key per low-precision leaf (``fold_in`` of its position in ``params``), None elsewhere."""
     flat, tree = jax.tree.flatten(params)
-    return jax.tree.unflatten(tree, [jax.random.fold_in(step_key, i) if leaves.is_low(p) else None
-                                     for i, p in enumerate(flat)])
+    return jax.tree.unflatten(
+        tree, [jax.random.fold_in(step_key, i) if leaves.is_low(p) else None for i, p in enumerate(flat)]
+    )
 
 
-def stochastic_rounding(inner: optax.GradientTransformation, seed: int = 0, *,
-                        state_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
+def stochastic_rounding(
+    inner: optax.GradientTransformation, seed: int = 0, *, state_dtype: Any = None
+) -> optax.GradientTransformationExtraArgs:
     """Wrap ``inner`` so that float16/bfloat16 parameters are updated with stochastic rounding.
 
     ``update`` returns, for each float16/bfloat16 parameter, the float32 update ``new - old`` that makes
@@ -83,10 +89,10 @@ def stochastic_rounding(inner: optax.GradientTransformation, seed: int = 0, *,
         inner_state = leaves.inner_init(_WHO, inner_tx, params, state_dtype)
         return StochasticRoundingState(key=jax.random.key_data(jax.random.key(seed)), inner_state=inner_state)
 
-    def update(grads: optax.Updates, state: StochasticRoundingState, params: optax.Params | None = None,
-               **extra: Any) -> tuple[optax.Updates, StochasticRoundingState]:
-        updates, inner_state = leaves.inner_update(_WHO, inner_tx, grads, state.inner_state, params, state_dtype,
-                                                   extra)
+    def update(
+        grads: optax.Updates, state: StochasticRoundingState, params: optax.Params | None = None, **extra: Any
+    ) -> tuple[optax.Updates, StochasticRoundingState]:
+        updates, inner_state = leaves.inner_update(_WHO, inner_tx, grads, state.inner_state, params, state_dtype, extra)
         next_key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
         updates, _ = leaves.map_low(_rounded, params, updates, _leaf_keys(step_key, params))
         return updates, StochasticRoundingState(key=jax.random.key_data(next_key), inner_state=inner_state)

@@ -28,14 +28,18 @@ def _one_value(st: ScalerState, key: str, field: str) -> np.ndarray:
     """``field`` of a single state, or the value all replicas of a replicated state agree on."""
     replicas = np.shape(st.scale)
     value = np.asarray(getattr(st, field))
-    if value.shape[:len(replicas)] != replicas:
-        raise ValueError(f"the scaler state's {field} has shape {value.shape}, but its scale has shape {replicas}; "
-                         "a replicated state has the same leading replica axes on every field")
-    rows = value.reshape(-1, *value.shape[len(replicas):])
+    if value.shape[: len(replicas)] != replicas:
+        raise ValueError(
+            f"the scaler state's {field} has shape {value.shape}, but its scale has shape {replicas}; "
+            "a replicated state has the same leading replica axes on every field"
+        )
+    rows = value.reshape(-1, *value.shape[len(replicas) :])
     as_bytes = rows.reshape(len(rows), -1).view(np.uint8)  # bits, so that a NaN scale equals itself
     if not (as_bytes == as_bytes[0]).all():
-        raise ValueError(f"the replicas hold different values of {key!r}, and a state dict holds one; pass "
-                         "one replica's state: jamp.state_dict(jax.tree.map(lambda x: x[0], opt_state))")
+        raise ValueError(
+            f"the replicas hold different values of {key!r}, and a state dict holds one; pass "
+            "one replica's state: jamp.state_dict(jax.tree.map(lambda x: x[0], opt_state))"
+        )
     return rows[0]
 
 
@@ -61,14 +65,14 @@ def load_state_dict(opt_state: Any, sd: Mapping[str, Any]) -> Any:
     anything is built, so a refused state dict changes nothing. The scale is rounded to float32 as
     torch's ``fill_`` does. Extra keys are ignored. A replicated state gets the values on every replica.
     """
-    scaler_state.refuse_swapped(opt_state, sd, "jamp.load_state_dict(sd, opt_state)",
-                                "jamp.load_state_dict(opt_state, sd)")
+    scaler_state.refuse_swapped(
+        opt_state, sd, "jamp.load_state_dict(sd, opt_state)", "jamp.load_state_dict(opt_state, sd)"
+    )
     st = scaler_state.find(opt_state)
     if isinstance(st, DisabledScalerState):
         return opt_state
     if not isinstance(sd, Mapping):
-        raise TypeError(f"the state dict must be a mapping (dict) with the keys {KEYS}, "
-                        f"got {type(sd).__name__}")
+        raise TypeError(f"the state dict must be a mapping (dict) with the keys {KEYS}, got {type(sd).__name__}")
     if not sd:
         raise ValueError(
             "the state dict is empty; it was probably saved from a disabled scaler "

@@ -57,8 +57,9 @@ def set_scale(opt_state: Any, new_scale: Any) -> Any:
     accepts a float or a one-element tensor); a replicated state gets it on every replica. A no-op when
     disabled.
     """
-    scaler_state.refuse_swapped(opt_state, new_scale, "jamp.set_scale(new_scale, opt_state)",
-                                "jamp.set_scale(opt_state, new_scale)")
+    scaler_state.refuse_swapped(
+        opt_state, new_scale, "jamp.set_scale(new_scale, opt_state)", "jamp.set_scale(opt_state, new_scale)"
+    )
     st = scaler_state.find(opt_state)
     if isinstance(st, DisabledScalerState):
         return opt_state
@@ -88,7 +89,8 @@ def value_and_grad(
                 f"jamp.value_and_grad({getattr(fun, '__name__', 'loss_fn')})(opt_state, *args): the first argument "
                 f"must be the optimizer state that holds the jamp.scaler state (tx.init(params)), got a "
                 f"{type(opt_state).__name__} that holds none. Call it as jamp.value_and_grad(loss_fn)(opt_state, "
-                "params, batch), where loss_fn(params, batch) returns the loss")
+                "params, batch), where loss_fn(params, batch) returns the loss"
+            )
 
         def scaled(*a: Any, **k: Any):
             out = fun(*a, **k)

@@ -43,8 +43,12 @@ def _child(node: Any, key: Any) -> Any:
 def _added_field_paths(target: Any) -> set[tuple]:
     """Paths, in ``target``, of the ScalerState fields that an older jamp did not save."""
     states = jax.tree_util.tree_flatten_with_path(target, is_leaf=scaler_state.is_scaler_state)[0]
-    return {(*path, jax.tree_util.GetAttrKey(field))
-            for path, st in states if isinstance(st, ScalerState) for field in ADDED_FIELDS}
+    return {
+        (*path, jax.tree_util.GetAttrKey(field))
+        for path, st in states
+        if isinstance(st, ScalerState)
+        for field in ADDED_FIELDS
+    }
 
 
 def from_restored(target: Any, restored: Any) -> Any:
@@ -66,13 +70,17 @@ def from_restored(target: Any, restored: Any) -> Any:
                 node = np.zeros(*want)  # as tx.init makes them: no skips counted, nothing reported
                 break
             if node is _MISSING:
-                raise ValueError(f"jamp.from_restored: the restored tree has nothing at {keystr(path[:depth + 1])}, "
-                                 f"where the target has {keystr(path)}; pass as target the tree that was saved "
-                                 "(its jax.eval_shape will do)")
+                raise ValueError(
+                    f"jamp.from_restored: the restored tree has nothing at {keystr(path[: depth + 1])}, "
+                    f"where the target has {keystr(path)}; pass as target the tree that was saved "
+                    "(its jax.eval_shape will do)"
+                )
         value = np.asarray(node) if not isinstance(node, jax.Array) else node
         if (value.shape, value.dtype) != want:
-            raise ValueError(f"jamp.from_restored: the restored value at {keystr(path)} is {value.dtype}"
-                             f"{list(value.shape)}, the target's is {want[1]}{list(want[0])}")
+            raise ValueError(
+                f"jamp.from_restored: the restored value at {keystr(path)} is {value.dtype}"
+                f"{list(value.shape)}, the target's is {want[1]}{list(want[0])}"
+            )
         sharding = getattr(leaf, "sharding", None)
         return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
 

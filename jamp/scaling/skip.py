@@ -118,6 +118,8 @@ FORM_OF_PLATFORM = {"cuda": select_after, "default": select_where_produced}
 def step_or_skip(update: Callable, skip: jax.Array, grads: Any, state: Any, params: Any, extra: dict):
     """``update(grads, state, params, **extra)``, or ``(zeros, state)`` bit for bit where ``skip`` is True,
     in the form :data:`FORM_OF_PLATFORM` picks for the platform the program is lowered for."""
-    branches = {platform: functools.partial(form, update, skip, grads, state, params, extra)
-                for platform, form in FORM_OF_PLATFORM.items()}
+    branches = {
+        platform: functools.partial(form, update, skip, grads, state, params, extra)
+        for platform, form in FORM_OF_PLATFORM.items()
+    }
     return jax.lax.platform_dependent(**branches)

@@ -73,10 +73,12 @@ class SkipWarning:
 
     def __init__(self, warn_after_skips: Any, warn_below_scale: Any):
         """Validates the keywords of :func:`jamp.scaler` (TypeError/ValueError naming the argument)."""
-        after = None if warn_after_skips is None else \
-            scaler_state.checked_int("warn_after_skips", warn_after_skips, 1)
-        below = None if warn_below_scale is None else \
-            np.float32(scaler_state.checked_float("warn_below_scale", warn_below_scale))
+        after = None if warn_after_skips is None else scaler_state.checked_int("warn_after_skips", warn_after_skips, 1)
+        below = (
+            None
+            if warn_below_scale is None
+            else np.float32(scaler_state.checked_float("warn_below_scale", warn_below_scale))
+        )
         self.limits = Thresholds(after, below)
         self._last: str | None = None  # what the host said last
         self._lock = threading.Lock()  # replicas call from several threads
@@ -98,8 +100,9 @@ class SkipWarning:
         return {"consecutive_skips": skips, "warned": found_inf & (state.warned | told)}
 
     def _call_host(self, warn: jax.Array, skips: jax.Array, scale: jax.Array, fell: jax.Array) -> jax.Array:
-        return jax.pure_callback(self.on_host, jax.ShapeDtypeStruct((), jnp.bool_), warn, skips, scale, fell,
-                                 vmap_method="sequential")
+        return jax.pure_callback(
+            self.on_host, jax.ShapeDtypeStruct((), jnp.bool_), warn, skips, scale, fell, vmap_method="sequential"
+        )
 
     def on_host(self, warn: np.ndarray, skips: np.ndarray, scale: np.ndarray, fell: np.ndarray) -> np.ndarray:
         """Warns unless this is what the host said last (another replica's call); returns ``warn``. Under
@@ -109,18 +112,22 @@ class SkipWarning:
             with self._lock:
                 repeat, self._last = said == self._last, said
             if not repeat:
-                warnings.warn(said, SkippedStepsWarning)
+                warnings.warn(said, SkippedStepsWarning, stacklevel=1)
         return np.asarray(warn, np.bool_)
 
 
 def message(skips: int, scale: float, fell: bool, limits: Thresholds) -> str:
     """What the warning says: what happened, the likely causes, where to look, how to silence it."""
     if fell:
-        what = (f"the loss scale fell below {float(limits.below_scale):g} (warn_below_scale) to {scale:g}, "
-                f"{skips} update(s) skipped in a row because the scaled gradients held inf/NaN")
+        what = (
+            f"the loss scale fell below {float(limits.below_scale):g} (warn_below_scale) to {scale:g}, "
+            f"{skips} update(s) skipped in a row because the scaled gradients held inf/NaN"
+        )
     else:
-        what = (f"{skips} updates in a row were skipped because the scaled gradients held inf/NaN; the parameters "
-                f"and the optimizer state have not changed since, and the loss scale is down to {scale:g}")
+        what = (
+            f"{skips} updates in a row were skipped because the scaled gradients held inf/NaN; the parameters "
+            f"and the optimizer state have not changed since, and the loss scale is down to {scale:g}"
+        )
     return (
         f"jamp.scaler: {what}. Backing off further does not help when the inf/NaN does not come from the scale. "
         "Likely causes: a NaN/inf in the input data or in the loss, an op that overflows even in float32 (exp, a "
@@ -128,4 +135,5 @@ def message(skips: int, scale: float, fell: bool, limits: Thresholds) -> str:
         "jamp.find_overflow(loss_fn)(params, batch) names the first op that overflows in float16 where float32 "
         "stays finite; if it returns None, float32 overflows too: check jnp.isfinite on the batch, the loss and "
         "the parameters. Warned once per run of skips; silence it with jamp.scaler(..., warn_after_skips=None, "
-        "warn_below_scale=None) or warnings.filterwarnings('ignore', category=jamp.SkippedStepsWarning).")
+        "warn_below_scale=None) or warnings.filterwarnings('ignore', category=jamp.SkippedStepsWarning)."
+    )

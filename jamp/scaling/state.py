@@ -141,6 +141,7 @@ _RESTORED_FIELDS = frozenset({"scale", "growth_tracker", "inner_state"})
 
 def restored_without_target(tree: Any) -> list[str]:
     """Paths of dicts that hold a ScalerState's fields: a checkpoint restored without a target."""
+
     def is_restored(x: Any) -> bool:
         return isinstance(x, Mapping) and _RESTORED_FIELDS <= x.keys()
 
@@ -162,7 +163,8 @@ def find(opt_state: Any) -> ScalerState | DisabledScalerState:
             "tx.init(params), ...}) or, without allocating, jax.eval_shape(tx.init, params) as the target; or put "
             "what was restored into that structure with jamp.from_restored(target, restored), which also takes a "
             "checkpoint saved by a jamp without ScalerState.consecutive_skips and .warned (a target cannot "
-            "restore those)")
+            "restore those)"
+        )
     what = "no jamp.scaler state" if not found else f"{len(found)} jamp.scaler states"
     raise ValueError(
         f"expected exactly one jamp.scaler state in opt_state, found {what}; pass the optimizer state "

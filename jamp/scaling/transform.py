@@ -43,12 +43,15 @@ def _combine(found_inf: jax.Array, axis_name: Hashable | tuple | None) -> jax.Ar
             raise NameError(
                 f"jamp.scaler(axis_name={axis_name!r}): axis {name!r} is not bound where tx.update is traced; "
                 "axis_name names the pmap axis or the shard_map mesh axes the gradients vary over; under "
-                "jax.jit with sharded arrays leave axis_name=None") from None
+                "jax.jit with sharded arrays leave axis_name=None"
+            ) from None
     combined = jax.lax.psum(found_inf.astype(jnp.int32), axis_name) > 0
     varying = jax.typeof(combined).manual_axis_type.varying
     if varying:
-        raise ValueError(f"jamp.scaler(axis_name={axis_name!r}): the gradients also vary over {sorted(varying)}; "
-                         f"pass axis_name={names + tuple(sorted(varying))!r}")
+        raise ValueError(
+            f"jamp.scaler(axis_name={axis_name!r}): the gradients also vary over {sorted(varying)}; "
+            f"pass axis_name={names + tuple(sorted(varying))!r}"
+        )
     return combined
 
 
@@ -75,7 +78,9 @@ def _check_inner(inner: tuple) -> optax.GradientTransformationExtraArgs:
             "that a skipped step leaves that optimizer's state untouched. Write jamp.scaler(optax.adam(1e-3)) (or "
             "jamp.scaler(optax.clip_by_global_norm(1.0), optax.adam(1e-3))), not optax.chain(jamp.scaler("
             "optax.identity()), optax.adam(1e-3)), where a skipped step still advances Adam's count and decays "
-            "its moments", stacklevel=4)
+            "its moments",
+            stacklevel=4,
+        )
     return optax.with_extra_args_support(inner[0] if len(inner) == 1 else optax.chain(*inner))
 
 
@@ -95,7 +100,8 @@ def _not_injectable(factory: Callable) -> Callable:
                 "arrays in its state already (change them with jamp.load_state_dict or jamp.set_scale). "
                 "To schedule or change the optimizer's hyperparameters, inject them into the optimizer the "
                 "scaler wraps: jamp.scaler(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)), then "
-                "opt_state.inner_state.hyperparams['learning_rate']")
+                "opt_state.inner_state.hyperparams['learning_rate']"
+            )
         return factory(*args, **kwargs)
 
     return wrapper

@@ -96,4 +96,6 @@ def check(grads: Any, scale: Any, stacklevel: int) -> None:
             "scaled loss with the opt_state you pass to tx.update: grads = jax.grad(lambda p: "
             "jamp.scale(loss_fn(p, batch), opt_state))(params), with the loss as auxiliary output if you "
             "log it.",
-            UnscaledGradientsWarning, stacklevel=stacklevel + 1)
+            UnscaledGradientsWarning,
+            stacklevel=stacklevel + 1,
+        )

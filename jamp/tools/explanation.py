@@ -24,19 +24,19 @@ class OpRecord:
     """One equation of the rewritten program."""
 
     primitive: str
-    source: str                  # user file:line (function)
-    path: str                    # name scopes / flax module path / jit names
-    traced_dtypes: tuple         # input dtypes as the function was traced
-    arrived_dtypes: tuple        # input dtypes that reached the equation under autocast
-    ran_dtypes: tuple            # input dtypes the primitive ran on, after jamp's casts
-    accumulated_in: str          # "float32" for a float16/bfloat16 sum that accumulated in float32, else ""
+    source: str  # user file:line (function)
+    path: str  # name scopes / flax module path / jit names
+    traced_dtypes: tuple  # input dtypes as the function was traced
+    arrived_dtypes: tuple  # input dtypes that reached the equation under autocast
+    ran_dtypes: tuple  # input dtypes the primitive ran on, after jamp's casts
+    accumulated_in: str  # "float32" for a float16/bfloat16 sum that accumulated in float32, else ""
     out_dtypes: tuple
     traced_out_dtypes: tuple
-    category: str                # the policy's category of the primitive
-    rule: str                    # the rule that ran (after region modes)
-    mode: str                    # the region mode in force
-    casts: int                   # inputs jamp cast for this equation
-    flops: int                   # multiply-adds x 2 for matmuls and convolutions, else 0
+    category: str  # the policy's category of the primitive
+    rule: str  # the rule that ran (after region modes)
+    mode: str  # the region mode in force
+    casts: int  # inputs jamp cast for this equation
+    flops: int  # multiply-adds x 2 for matmuls and convolutions, else 0
     out_bytes: int
     traced_out_bytes: int
 
@@ -68,8 +68,11 @@ def _flops(eqn) -> int:
 
 def _nbytes(avals_or_values) -> int:
     """Bytes of the floating values (activations); keys, ints and bools are not what AMP saves."""
-    return sum(math.prod(a.shape) * a.dtype.itemsize for a in avals_or_values
-               if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating))
+    return sum(
+        math.prod(a.shape) * a.dtype.itemsize
+        for a in avals_or_values
+        if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)
+    )
 
 
 class Recorder:
@@ -81,25 +84,30 @@ class Recorder:
     def record(self, call: Call, effective: str, outs: list) -> None:
         eqn = call.eqn
         ran = call.bound if call.bound is not None else call.invals
-        self.records.append(OpRecord(
-            primitive=eqn.primitive.name,
-            source=jc.source_location(eqn),
-            path="/".join(call.ctx.path),
-            traced_dtypes=tuple(str(v.aval.dtype) for v in eqn.invars),
-            arrived_dtypes=_dtypes(call.invals),
-            ran_dtypes=_dtypes(ran),
-            accumulated_in=(str(call.widened_to) if call.widened_to is not None
-                            and eqn.primitive.name in accumulation.ACCUMULATING else ""),
-            out_dtypes=_dtypes(outs),
-            traced_out_dtypes=tuple(str(v.aval.dtype) for v in eqn.outvars),
-            category=call.ctx.policy.category(eqn.primitive.name),
-            rule=effective,
-            mode=call.ctx.mode,
-            casts=sum(getattr(a, "dtype", None) != getattr(b, "dtype", None) for a, b in zip(call.invals, ran)),
-            flops=_flops(eqn),
-            out_bytes=_nbytes(outs),
-            traced_out_bytes=_nbytes([v.aval for v in eqn.outvars]),
-        ))
+        self.records.append(
+            OpRecord(
+                primitive=eqn.primitive.name,
+                source=jc.source_location(eqn),
+                path="/".join(call.ctx.path),
+                traced_dtypes=tuple(str(v.aval.dtype) for v in eqn.invars),
+                arrived_dtypes=_dtypes(call.invals),
+                ran_dtypes=_dtypes(ran),
+                accumulated_in=(
+                    str(call.widened_to)
+                    if call.widened_to is not None and eqn.primitive.name in accumulation.ACCUMULATING
+                    else ""
+                ),
+                out_dtypes=_dtypes(outs),
+                traced_out_dtypes=tuple(str(v.aval.dtype) for v in eqn.outvars),
+                category=call.ctx.policy.category(eqn.primitive.name),
+                rule=effective,
+                mode=call.ctx.mode,
+                casts=sum(getattr(a, "dtype", None) != getattr(b, "dtype", None) for a, b in zip(call.invals, ran)),
+                flops=_flops(eqn),
+                out_bytes=_nbytes(outs),
+                traced_out_bytes=_nbytes([v.aval for v in eqn.outvars]),
+            )
+        )
 
 
 COLUMNS = ("primitive", "ran_dtypes", "out_dtypes", "traced_dtypes", "rule", "casts", "path", "source")
@@ -126,8 +134,10 @@ class Report:
         }
 
     def to_dicts(self) -> list[dict[str, Any]]:
-        return [{k: (", ".join(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(r).items()}
-                for r in self.rows]
+        return [
+            {k: (", ".join(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(r).items()}
+            for r in self.rows
+        ]
 
     def to_csv(self) -> str:
         buf = io.StringIO()
@@ -146,23 +156,38 @@ class Report:
 
         rows = [r for r in self.rows if r.casts or not only_casts]
         how = "one row per equation" if full else "by module path"
-        table = Table(title=f"jamp.explain: {len(rows)} equations, {how}", title_justify="left",
-                      box=box.SIMPLE_HEAD, pad_edge=False)
+        table = Table(
+            title=f"jamp.explain: {len(rows)} equations, {how}",
+            title_justify="left",
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+        )
         columns = COLUMNS if full else REGION_COLUMNS
         for column in columns:
-            table.add_column(column, overflow="fold", no_wrap=column in _WHOLE,
-                             justify="right" if column in ("ops", "casts") else "left")
+            table.add_column(
+                column,
+                overflow="fold",
+                no_wrap=column in _WHOLE,
+                justify="right" if column in ("ops", "casts") else "left",
+            )
         if full:
             for row in rows:
-                d = dict(zip(OpRecord.__annotations__, dataclasses.astuple(row)), ran_dtypes=_ran(row),
-                         source=fitted_source(row.source))
+                d = dict(
+                    zip(OpRecord.__annotations__, dataclasses.astuple(row)),
+                    ran_dtypes=_ran(row),
+                    source=fitted_source(row.source),
+                )
                 table.add_row(*(", ".join(d[c]) if isinstance(d[c], tuple) else str(d[c]) for c in columns))
             return table
         for path, group in _by_path(rows).items():
-            table.add_row(path or "<top>", str(len(group)), _tally(d for r in group for d in _ran_floats(r)),
-                          _tally(r.rule for r in group if r.rule != oplists.PASSTHROUGH) or "-",
-                          str(sum(r.casts for r in group)),
-                          next((fitted_source(r.source).split(" (")[0] for r in group if r.source), ""))
+            table.add_row(
+                path or "<top>",
+                str(len(group)),
+                _tally(d for r in group for d in _ran_floats(r)),
+                _tally(r.rule for r in group if r.rule != oplists.PASSTHROUGH) or "-",
+                str(sum(r.casts for r in group)),
+                next((fitted_source(r.source).split(" (")[0] for r in group if r.source), ""),
+            )
         return table
 
     def to_text(self, *, full: bool = False, width: int | None = None) -> str:
@@ -172,8 +197,10 @@ class Report:
 
         console = Console(file=io.StringIO(), width=width or (10_000 if full else 120), color_system=None)
         console.print(self.table(full=full))
-        console.print(", ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}"
-                                for k, v in self.summary.items()), width=width or 120)
+        console.print(
+            ", ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in self.summary.items()),
+            width=width or 120,
+        )
         if not full:
             console.print("report.to_text(full=True) lists every equation.")
         return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines()) + "\n"
@@ -206,8 +233,11 @@ def _ran(row: OpRecord) -> str:
 def _ran_floats(row: OpRecord) -> set[str]:
     """The floating input dtypes, short: {'bf16'}, or {'bf16 (acc f32)'} for a sum that accumulated in float32."""
     acc = f" (acc {_SHORT[row.accumulated_in]})" if row.accumulated_in else ""
-    return {_SHORT.get(d, d) + (acc if d in ("float16", "bfloat16") else "") for d in row.ran_dtypes
-            if d.startswith(("float", "bfloat"))}
+    return {
+        _SHORT.get(d, d) + (acc if d in ("float16", "bfloat16") else "")
+        for d in row.ran_dtypes
+        if d.startswith(("float", "bfloat"))
+    }
 
 
 def _tally(values) -> str:

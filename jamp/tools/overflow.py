@@ -35,35 +35,56 @@ _COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 # XLA:CPU compiles every kernel through LLVM, and the comparison adds about a kernel per op: this
 # cheaper pipeline compiled a small transformer's training step a third faster and ran it as fast
 # (level 0 compiled faster still but ran 4x slower).
-_CPU_COMPILER_OPTIONS = {**_COMPILER_OPTIONS, "xla_backend_optimization_level": 1,
-                         "xla_llvm_disable_expensive_passes": True}
+_CPU_COMPILER_OPTIONS = {
+    **_COMPILER_OPTIONS,
+    "xla_backend_optimization_level": 1,
+    "xla_llvm_disable_expensive_passes": True,
+}
 # Ops that only move, repeat, negate or widen input elements (or take their abs or sign): an overflow,
 # or an underflow share over the threshold, in their output was already in an input, which was
 # compared first. They are not compared, which saves a reduction each.
-_COPIES = frozenset({"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "copy", "copy_p",
-                     "rev", "neg", "abs", "sign", "stop_gradient", "concatenate", "pad"})
+_COPIES = frozenset(
+    {
+        "reshape",
+        "broadcast_in_dim",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "copy",
+        "copy_p",
+        "rev",
+        "neg",
+        "abs",
+        "sign",
+        "stop_gradient",
+        "concatenate",
+        "pad",
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
     """The first op where autocast broke what float32 computes."""
 
-    kind: str                  # "overflow" (inf/NaN) or "underflow" (flushed to zero)
+    kind: str  # "overflow" (inf/NaN) or "underflow" (flushed to zero)
     primitive: str
-    source: str                # user file:line (function)
-    path: str                  # name scopes / flax module path / jit names
-    op_index: int              # position in evaluation order (sub-jaxprs included)
+    source: str  # user file:line (function)
+    path: str  # name scopes / flax module path / jit names
+    op_index: int  # position in evaluation order (sub-jaxprs included)
     input_dtypes: tuple
     output_dtype: str
     bad_elements: int
     total_elements: int
-    float32_max_abs: float     # largest |value| float32 computes there: compare with the dtype's range
+    float32_max_abs: float  # largest |value| float32 computes there: compare with the dtype's range
 
     def __str__(self) -> str:
-        return (f"{self.kind} in {self.primitive} (op #{self.op_index}) at {short_source(self.source) or '?'} "
-                f"[{self.path or '<top>'}]: {self.bad_elements}/{self.total_elements} elements of its "
-                f"{self.output_dtype} output, inputs {', '.join(self.input_dtypes)}; float32 max |x| "
-                f"= {self.float32_max_abs:.4g}")
+        return (
+            f"{self.kind} in {self.primitive} (op #{self.op_index}) at {short_source(self.source) or '?'} "
+            f"[{self.path or '<top>'}]: {self.bad_elements}/{self.total_elements} elements of its "
+            f"{self.output_dtype} output, inputs {', '.join(self.input_dtypes)}; float32 max |x| "
+            f"= {self.float32_max_abs:.4g}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +113,9 @@ def _counts(amp, ref, check_underflow: bool) -> tuple:
     *counts, top = jax.lax.reduce(
         (*(x.astype(jnp.int32) for x in (ok & ~jnp.isfinite(a), under, r != 0)), jnp.where(ok, jnp.abs(r), 0.0)),
         (zero, zero, zero, jnp.zeros((), jnp.float32)),
-        lambda x, y: (x[0] + y[0], x[1] + y[1], x[2] + y[2], jnp.maximum(x[3], y[3])), tuple(range(r.ndim)))
+        lambda x, y: (x[0] + y[0], x[1] + y[1], x[2] + y[2], jnp.maximum(x[3], y[3])),
+        tuple(range(r.ndim)),
+    )
     return jnp.stack(counts), top
 
 
@@ -100,10 +123,13 @@ def _is_copy(eqn, amp_in, amp_outs) -> bool:
     """A _COPIES op, or a convert that widens (float16 -> float32 is exact)."""
     if eqn.primitive.name in _COPIES:
         return True
-    return (eqn.primitive.name == "convert_element_type"
-            and jnp.issubdtype(amp_in[0].dtype, jnp.floating) and jnp.issubdtype(amp_outs[0].dtype, jnp.floating)
-            and jnp.finfo(amp_outs[0].dtype).bits >= jnp.finfo(amp_in[0].dtype).bits
-            and jnp.finfo(amp_outs[0].dtype).nmant >= jnp.finfo(amp_in[0].dtype).nmant)
+    return (
+        eqn.primitive.name == "convert_element_type"
+        and jnp.issubdtype(amp_in[0].dtype, jnp.floating)
+        and jnp.issubdtype(amp_outs[0].dtype, jnp.floating)
+        and jnp.finfo(amp_outs[0].dtype).bits >= jnp.finfo(amp_in[0].dtype).bits
+        and jnp.finfo(amp_outs[0].dtype).nmant >= jnp.finfo(amp_in[0].dtype).nmant
+    )
 
 
 @dataclasses.dataclass
@@ -128,10 +154,18 @@ class _Walk:
             counts, top = _counts(amp, ref, check_underflow)
             self.counts.append(counts)
             self.maxima.append(top)
-            self.sites.append(_Site(
-                primitive=eqn.primitive.name, source=jc.source_location(eqn), path=path, op_index=self.count,
-                input_dtypes=tuple(str(getattr(x, "dtype", "?")) for x in amp_in), output_dtype=str(amp.dtype),
-                total_elements=int(np.size(ref)), check_underflow=check_underflow))
+            self.sites.append(
+                _Site(
+                    primitive=eqn.primitive.name,
+                    source=jc.source_location(eqn),
+                    path=path,
+                    op_index=self.count,
+                    input_dtypes=tuple(str(getattr(x, "dtype", "?")) for x in amp_in),
+                    output_dtype=str(amp.dtype),
+                    total_elements=int(np.size(ref)),
+                    check_underflow=check_underflow,
+                )
+            )
 
     def first_finding(self, counts: np.ndarray, maxima: np.ndarray) -> Finding | None:
         for site, (over, under, nonzero), top in zip(self.sites, counts.tolist(), maxima.tolist()):
@@ -141,9 +175,18 @@ class _Walk:
                 kind, bad = "underflow", under
             else:
                 continue
-            return Finding(kind=kind, primitive=site.primitive, source=site.source, path=site.path,
-                           op_index=site.op_index, input_dtypes=site.input_dtypes, output_dtype=site.output_dtype,
-                           bad_elements=bad, total_elements=site.total_elements, float32_max_abs=top)
+            return Finding(
+                kind=kind,
+                primitive=site.primitive,
+                source=site.source,
+                path=site.path,
+                op_index=site.op_index,
+                input_dtypes=site.input_dtypes,
+                output_dtype=site.output_dtype,
+                bad_elements=bad,
+                total_elements=site.total_elements,
+                float32_max_abs=top,
+            )
         return None
 
     def run(self, jaxpr, consts, amp_args, ref_args, ctx: Context) -> tuple[list, list]:
@@ -196,8 +239,12 @@ def _inline_custom_vjp(walk: _Walk, call: Call, ref_in):
 
 
 # Call-like primitives whose bodies are walked op by op; loops, branches and shard_map run whole.
-_INLINE = {jc.JIT: _inline_jit, jc.REMAT: _inline_remat, jc.CUSTOM_JVP: _inline_custom_jvp,
-           jc.CUSTOM_VJP: _inline_custom_vjp}
+_INLINE = {
+    jc.JIT: _inline_jit,
+    jc.REMAT: _inline_remat,
+    jc.CUSTOM_JVP: _inline_custom_jvp,
+    jc.CUSTOM_VJP: _inline_custom_vjp,
+}
 
 
 def _compile(closed: jc.ClosedJaxpr, dynamic: list, ctx: Context, min_underflow: float) -> tuple[_Walk, Callable]:
@@ -214,8 +261,9 @@ def _compile(closed: jc.ClosedJaxpr, dynamic: list, ctx: Context, min_underflow:
     return walk, jax.jit(side_by_side).trace(*dynamic).lower().compile(options)
 
 
-def find_overflow(fun: Callable, *, min_underflow: float = 0.01,
-                  **autocast_kwargs: Any) -> Callable[..., Finding | None]:
+def find_overflow(
+    fun: Callable, *, min_underflow: float = 0.01, **autocast_kwargs: Any
+) -> Callable[..., Finding | None]:
     """``find_overflow(f, dtype=...)(*args)``: the first op of ``jamp.autocast(f)`` whose result is
     inf/NaN where float32's is finite, or (with ``min_underflow`` < 1) that flushes at least that
     fraction of its nonzero values to zero; ``None`` if there is none. jit/checkpoint/custom_jvp/

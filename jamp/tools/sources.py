@@ -15,7 +15,7 @@ _LOCATION = re.compile(r"(?P<file>.+):(?P<line>\d+)(?P<rest>( \(.*\))?)")
 def _relative(file: str, roots: tuple[str, ...]) -> str:
     for root in roots:  # longest first: site-packages wins over a cwd that holds the venv
         if file.startswith(root + os.sep):
-            return file[len(root) + 1:]
+            return file[len(root) + 1 :]
     return file
 
 

@@ -64,18 +64,23 @@ def trajectory(name, init_scale, growth, backoff, interval, steps, p_bad, grad_s
     stepped = []
     sgd_step = opt.step
     opt.step = lambda *a, **k: stepped.append(True) or sgd_step(*a, **k)  # GradScaler skips by not calling it
-    sc = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_factor=growth, backoff_factor=backoff,
-                              growth_interval=interval)
-    pattern = DOC_PATTERN if steps is None else "".join(
-        rng.choice(list("IJN"), p=[0.5, 0.2, 0.3]) if rng.random() < p_bad else "F" for _ in range(steps))
+    sc = torch.amp.GradScaler(
+        "cpu", init_scale=init_scale, growth_factor=growth, backoff_factor=backoff, growth_interval=interval
+    )
+    pattern = (
+        DOC_PATTERN
+        if steps is None
+        else "".join(rng.choice(list("IJN"), p=[0.5, 0.2, 0.3]) if rng.random() < p_bad else "F" for _ in range(steps))
+    )
     sc.scale(torch.ones(()))  # lazy init of _scale on the CPU
     records = []
     for kind in pattern:
         scale_used = sc.get_scale()
         grads = {}
         for k, (shape, dt) in SHAPES.items():
-            g = (torch.from_numpy(rng.standard_normal(shape) * grad_size).to(dt)
-                 * torch.tensor(scale_used, dtype=torch.float64).to(dt))
+            g = torch.from_numpy(rng.standard_normal(shape) * grad_size).to(dt) * torch.tensor(
+                scale_used, dtype=torch.float64
+            ).to(dt)
             grads[k] = g
         if kind != "F":
             k = list(SHAPES)[rng.integers(len(SHAPES))]
@@ -90,11 +95,27 @@ def trajectory(name, init_scale, growth, backoff, interval, steps, p_bad, grad_s
         unscaled = {k: values(p.grad) for k, p in params.items()}
         sc.update()
         opt.zero_grad(set_to_none=True)
-        records.append({"kind": kind, "grads": fed, "scale_used": f(scale_used), "found_inf": found,
-                        "stepped": bool(stepped), "unscaled": unscaled, "scale_after": f(sc.get_scale()),
-                        "tracker_after": sc._get_growth_tracker()})
-    return {"name": name, "init_scale": init_scale, "growth_factor": growth, "backoff_factor": backoff,
-            "growth_interval": interval, "steps": records, "state_dict": sc.state_dict()}
+        records.append(
+            {
+                "kind": kind,
+                "grads": fed,
+                "scale_used": f(scale_used),
+                "found_inf": found,
+                "stepped": bool(stepped),
+                "unscaled": unscaled,
+                "scale_after": f(sc.get_scale()),
+                "tracker_after": sc._get_growth_tracker(),
+            }
+        )
+    return {
+        "name": name,
+        "init_scale": init_scale,
+        "growth_factor": growth,
+        "backoff_factor": backoff,
+        "growth_interval": interval,
+        "steps": records,
+        "state_dict": sc.state_dict(),
+    }
 
 
 def update_kernel(n=250):
@@ -110,18 +131,40 @@ def update_kernel(n=250):
         s = torch.tensor(scale, dtype=torch.float32)
         t = torch.tensor(tracker, dtype=torch.int32)
         torch._amp_update_scale_(s, t, torch.tensor(found), growth, backoff, interval)
-        cases.append({"scale": f(scale), "growth_factor": growth, "backoff_factor": backoff, "growth_interval": interval,
-                      "tracker": tracker, "found_inf": found, "new_scale": f(s), "new_tracker": int(t)})
+        cases.append(
+            {
+                "scale": f(scale),
+                "growth_factor": growth,
+                "backoff_factor": backoff,
+                "growth_interval": interval,
+                "tracker": tracker,
+                "found_inf": found,
+                "new_scale": f(s),
+                "new_tracker": int(t),
+            }
+        )
     return cases
 
 
 def inv_scale(n=250):
     scales = [65536.0, 3.0, 7.0, 10.0, 1e-3, 12345.678, 1e38, 1e-30]
     # subnormal scales: 1/scale is finite down to just above 2**-128, inf below
-    scales += [2.0**-127, 1.5 * 2.0**-127, 1.1754942e-38, 5e-39, 3e-39, 2.0**-128 * (1 + 2.0**-21), 2.0**-128,
-               1e-39, 1e-42, 1e-45]
+    scales += [
+        2.0**-127,
+        1.5 * 2.0**-127,
+        1.1754942e-38,
+        5e-39,
+        3e-39,
+        2.0**-128 * (1 + 2.0**-21),
+        2.0**-128,
+        1e-39,
+        1e-42,
+        1e-45,
+    ]
     scales += [float(np.float32(np.exp(x))) for x in rng.uniform(-60.0, 60.0, n)]
-    return [{"scale": f(s), "inv": f(torch.tensor(s, dtype=torch.float32).double().reciprocal().float())} for s in scales]
+    return [
+        {"scale": f(s), "inv": f(torch.tensor(s, dtype=torch.float32).double().reciprocal().float())} for s in scales
+    ]
 
 
 def scale_outputs():
@@ -130,8 +173,15 @@ def scale_outputs():
     for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         for shape, value in (((), 0.375), ((3,), 0.375), ((), 1.0009765625)):
             y = sc.scale(torch.full(shape, value, dtype=dt))
-            out.append({"dtype": str(dt).removeprefix("torch."), "shape": list(shape), "value": value,
-                        "out_dtype": str(y.dtype).removeprefix("torch."), "out": values(y)})
+            out.append(
+                {
+                    "dtype": str(dt).removeprefix("torch."),
+                    "shape": list(shape),
+                    "value": value,
+                    "out_dtype": str(y.dtype).removeprefix("torch."),
+                    "out": values(y),
+                }
+            )
     return out
 
 
@@ -151,8 +201,12 @@ def scaling_case():
             mod[1].weight.grad.data.fill_(math.inf)
         sc.step(opt)
         sc.update()
-    return {"init": [values(p) for p in init], "data": [[values(x), values(y)] for x, y in data],
-            "final": [values(p) for p in mod.parameters()], "scale": sc.get_scale()}
+    return {
+        "init": [values(p) for p in init],
+        "data": [[values(x), values(y)] for x, y in data],
+        "final": [values(p) for p in mod.parameters()],
+        "scale": sc.get_scale(),
+    }
 
 
 def main():

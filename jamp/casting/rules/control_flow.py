@@ -19,9 +19,13 @@ def scan(call: Call):
 
 
 def while_loop(call: Call):
-    return call.bind(call.cast_to_recorded(),
-                     **{jc.WHILE_COND: preserving(call.params[jc.WHILE_COND], call),
-                        jc.WHILE_BODY: preserving(call.params[jc.WHILE_BODY], call)})
+    return call.bind(
+        call.cast_to_recorded(),
+        **{
+            jc.WHILE_COND: preserving(call.params[jc.WHILE_COND], call),
+            jc.WHILE_BODY: preserving(call.params[jc.WHILE_BODY], call),
+        },
+    )
 
 
 def cond(call: Call):

@@ -36,15 +36,16 @@ def custom_jvp(call: Call):
     in_avals = avals_of(call.invals)
     new_call = retrace(p[jc.CALL_JAXPR], in_avals, ctx, None)
     out_dtypes = tuple(a.dtype for a in new_call.out_avals)
-    primal_avals = in_avals[p[jc.NUM_CONSTS]:]
+    primal_avals = in_avals[p[jc.NUM_CONSTS] :]
     original = p[jc.JVP_THUNK]
 
     def build(*zeros):
         jaxpr, consts, out_zeros = original.call_wrapped(*zeros)
         tangent_avals = [a.to_tangent_aval() for a, z in zip(primal_avals, zeros) if not z]
         tangent_dtypes = [d for d, z in zip(out_dtypes, out_zeros) if not z]
-        new = retrace(jc.ClosedJaxpr(jaxpr, consts), (*primal_avals, *tangent_avals), ctx,
-                      (*out_dtypes, *tangent_dtypes))
+        new = retrace(
+            jc.ClosedJaxpr(jaxpr, consts), (*primal_avals, *tangent_avals), ctx, (*out_dtypes, *tangent_dtypes)
+        )
         return new.jaxpr, new.consts, out_zeros
 
     params = {**p, jc.CALL_JAXPR: new_call, jc.JVP_THUNK: _memoized_thunk(original, build)}
@@ -57,7 +58,7 @@ def _preserving(closed, ctx):
 
 def _autocast_bwd(original, ctx):
     def bwd(*args):
-        zeros: list = []      # per cotangent: the symbolic zero the rule returned, or None
+        zeros: list = []  # per cotangent: the symbolic zero the rule returned, or None
         logs_tree: list = []  # jax >= 0.11: the tree of the rule's backward-pass logs
 
         def nonzero_outputs(*a):
@@ -87,7 +88,10 @@ def custom_vjp(call: Call):
         new = _preserving(jc.ClosedJaxpr(jaxpr, consts), ctx)
         return new.jaxpr, new.consts
 
-    params = {**p, jc.CALL_JAXPR: _preserving(p[jc.CALL_JAXPR], ctx),
-              jc.FWD_THUNK: _memoized_thunk(fwd_original, build_fwd),
-              jc.BWD: _autocast_bwd(p[jc.BWD], ctx)}
+    params = {
+        **p,
+        jc.CALL_JAXPR: _preserving(p[jc.CALL_JAXPR], ctx),
+        jc.FWD_THUNK: _memoized_thunk(fwd_original, build_fwd),
+        jc.BWD: _autocast_bwd(p[jc.BWD], ctx),
+    }
     return call.bind_with(call.cast_to_recorded(), call.eqn.primitive.get_bind_params(params))

@@ -31,8 +31,9 @@ def _all_floats_eligible(call: Call) -> bool:
 def lower(call: Call, output_dtype=None):
     """Cast floating inputs to the compute dtype; matmuls also emit it (or ``output_dtype``)."""
     dtype = call.ctx.compute_dtype
-    if not _all_floats_eligible(call) or (call.eqn.primitive.name in MATMUL_LIKE
-                                          and not all(is_float(x) for x in call.invals)):
+    if not _all_floats_eligible(call) or (
+        call.eqn.primitive.name in MATMUL_LIKE and not all(is_float(x) for x in call.invals)
+    ):
         return default(call)
     invals = [call.env.cast(x, dtype) if is_float(x) else x for x in call.invals]
     return call.bind(invals, **_set_preferred(call, output_dtype or dtype))
@@ -63,8 +64,9 @@ def lower_fp8(call: Call):
 
 def _fp8_eligible(call: Call) -> bool:
     lhs, rhs = call.invals
-    return (all(is_float(x) and is_eligible(x.dtype) for x in (lhs, rhs))
-            and fp8.eligible(lhs.shape, rhs.shape, call.params["dimension_numbers"]))
+    return all(is_float(x) and is_eligible(x.dtype) for x in (lhs, rhs)) and fp8.eligible(
+        lhs.shape, rhs.shape, call.params["dimension_numbers"]
+    )
 
 
 def float32(call: Call):
@@ -90,9 +92,12 @@ def _bias_target(call: Call, float_idx: list[int]):
         return None
     for mm, other in ((a, b), (b, a)):
         mm_var, other_var = call.eqn.invars[mm], call.eqn.invars[other]
-        if (call.env.is_lowered(mm_var) and call.invals[mm].dtype == call.ctx.compute_dtype
-                and is_eligible(call.invals[other].dtype)
-                and call.env.size_before_broadcast(other_var) < np.size(call.invals[mm])):
+        if (
+            call.env.is_lowered(mm_var)
+            and call.invals[mm].dtype == call.ctx.compute_dtype
+            and is_eligible(call.invals[other].dtype)
+            and call.env.size_before_broadcast(other_var) < np.size(call.invals[mm])
+        ):
             return call.ctx.compute_dtype
     return None
 
@@ -117,8 +122,10 @@ def promote(call: Call):
     target = _bias_target(call, float_idx) or widest(call.invals[i].dtype for i in array_idx)
     if is_low(target) and not all(_literal_fits(call, i, target) for i in float_idx):
         target = FLOAT32
-    invals = [call.cast_operand(i, target) if i in float_idx and is_eligible(x.dtype) else x
-              for i, x in enumerate(call.invals)]
+    invals = [
+        call.cast_operand(i, target) if i in float_idx and is_eligible(x.dtype) else x
+        for i, x in enumerate(call.invals)
+    ]
     if len({invals[i].dtype for i in float_idx}) > 1:
         return default(call)
     return call.bind(invals)

@@ -31,8 +31,9 @@ def retraced(call: Call, recorded: LowPrecisionCall) -> tuple[list, jc.ClosedJax
     """(inputs, rewritten body) of the recorded call in this context; None when the function traced on these
     dtypes returns other shapes than it recorded (then the recorded body runs)."""
     ctx = call.body_ctx(call.params[jc.JIT_NAME])
-    dtypes = input_dtypes(ctx.mode, ctx.compute_dtype, [x.dtype for x in call.invals],
-                          [v.aval.dtype for v in call.eqn.invars])
+    dtypes = input_dtypes(
+        ctx.mode, ctx.compute_dtype, [x.dtype for x in call.invals], [v.aval.dtype for v in call.eqn.invars]
+    )
     invals = [call.env.cast(x, d) if is_float(x) else x for x, d in zip(call.invals, dtypes)]
     in_avals = avals_of(invals)
     closed = _traced(recorded, in_avals, ctx.policy, ctx.mode)
