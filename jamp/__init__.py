@@ -15,7 +15,7 @@ from jamp.low_precision_params.stochastic import stochastic_rounding
 from jamp.scaling.checkpoint import load_state_dict, state_dict
 from jamp.scaling.helpers import found_inf, get_scale, scale, set_scale, value_and_grad
 from jamp.scaling.restore import from_restored
-from jamp.scaling.skip_warning import SkippedStepsWarning
+from jamp.scaling.skip_report import SkippedStepsWarning, report_skipped_steps
 from jamp.scaling.state import DisabledScalerState, ScalerState
 from jamp.scaling.transform import scaler
 from jamp.scaling.unscaled_grads import UnscaledGradientsWarning
@@ -38,6 +38,7 @@ __all__ = [
     "found_inf",
     "from_restored",
     "get_scale",
+    "report_skipped_steps",
     "load_state_dict",
     "scale",
     "scaler",

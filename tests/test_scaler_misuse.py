@@ -1,5 +1,5 @@
-"""The scaler says so when it is misused or stuck: runs of skipped steps (jamp.SkippedStepsWarning), gradients of
-the unscaled loss (jamp.UnscaledGradientsWarning), a scaler around nothing, jamp.scale's arguments swapped."""
+"""The scaler says so when it is misused: gradients of the unscaled loss (jamp.UnscaledGradientsWarning), a scaler
+around nothing, jamp.scale's arguments swapped. Runs of skipped steps: tests/test_skip_report.py."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
-from helpers import count
 
 import jamp
 
@@ -47,160 +45,6 @@ def train(step, params, opt_state, batches):
             params, opt_state = jax.block_until_ready(step(params, opt_state, x, Y))  # the host warns as it runs
             seen.append(len([w for w in caught if w.category is jamp.SkippedStepsWarning]))
     return params, opt_state, seen, [str(w.message) for w in caught if w.category is jamp.SkippedStepsWarning]
-
-
-# ---------------------------------------------------------------- runs of skipped steps
-
-
-def test_nan_in_the_data_warns_once_per_episode_and_rearms_after_a_step_taken():
-    tx = jamp.scaler(optax.adam(1e-3))
-    step, state = train_step(tx), tx.init(PARAMS)
-    params, state, seen, messages = train(step, PARAMS, state, [X_NAN] * 40)
-    # the 17th backoff takes 2**16 below 1 (warn_below_scale); the other 23 skips say nothing more
-    assert seen == [0] * 16 + [1] * 24 and len(messages) == 1
-    assert messages[0].startswith(
-        "jamp.scaler: the loss scale fell below 1 (warn_below_scale) to 0.5, 17 update(s) "
-        "skipped in a row because the scaled gradients held inf/NaN. "
-    )
-    assert (int(state.consecutive_skips), bool(state.warned)) == (40, True)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(PARAMS)))
-    for cause in (
-        "NaN/inf in the input data",
-        "overflows even in float32",
-        "learning rate",
-        "jamp.find_overflow(loss_fn)(params, batch)",
-        "warn_after_skips=None, warn_below_scale=None",
-        "category=jamp.SkippedStepsWarning",
-    ):
-        assert cause in messages[0]
-
-    params, state, seen, messages = train(step, params, state, [X] * 3)  # steps taken: the warning re-arms
-    assert messages == [] and (int(state.consecutive_skips), bool(state.warned)) == (0, False)
-
-    # the scale is below 1 already, so this time the run of warn_after_skips=32 skips is what warns
-    _, state, seen, messages = train(step, params, state, [X_NAN] * 40)
-    assert seen == [0] * 31 + [1] * 9
-    assert messages[0].startswith(
-        "jamp.scaler: 32 updates in a row were skipped because the scaled gradients held "
-        "inf/NaN; the parameters and the optimizer state have not changed since"
-    )
-
-
-def test_warn_after_skips_alone_warns_at_exactly_that_many_skips():
-    tx = jamp.scaler(optax.sgd(0.1), init_scale=2.0**4, warn_after_skips=3, warn_below_scale=None)
-    _, state, seen, messages = train(train_step(tx), PARAMS, tx.init(PARAMS), [X_NAN] * 6)
-    assert seen == [0, 0, 1, 1, 1, 1] and int(state.consecutive_skips) == 6
-    assert "3 updates in a row" in messages[0] and "scale is down to 2" in messages[0]
-
-
-def test_sparse_skips_warn_once_when_the_scale_falls_below_the_floor():
-    """Skips too far apart to make a run still halve the scale (growth needs 2000 clean steps in a row)."""
-    tx = jamp.scaler(optax.sgd(0.1), init_scale=4.0)
-    _, _, seen, messages = train(train_step(tx), PARAMS, tx.init(PARAMS), [X_NAN, X, X] * 4)
-    assert seen == [0] * 6 + [1] * 6 and "fell below 1 (warn_below_scale) to 0.5, 1 update(s)" in messages[0]
-
-
-def test_silenced_by_the_keywords_and_then_absent_from_the_step():
-    quiet = jamp.scaler(optax.adam(1e-3), warn_after_skips=None, warn_below_scale=None)
-    _, state, seen, _ = train(train_step(quiet), PARAMS, quiet.init(PARAMS), [X_NAN] * 20)
-    assert seen == [0] * 20 and int(state.consecutive_skips) == 20
-    grads, loud = jax.tree.map(jnp.ones_like, PARAMS), jamp.scaler(optax.adam(1e-3))
-    callbacks, conds = (
-        [count(tx.update, grads, tx.init(PARAMS), PARAMS, primitive=p) for tx in (quiet, loud)]
-        for p in ("pure_callback", "cond")
-    )
-    assert callbacks == [0, 1] and conds[1] == conds[0] + 1  # (the other conds pick the platform's skip form)
-    # no effect either: an effect (jax.debug.callback) sends every call of a jitted step through Python dispatch
-    assert not jax.make_jaxpr(loud.update)(grads, loud.init(PARAMS), PARAMS).effects
-
-
-def test_an_error_filter_raises_inside_the_step_with_the_warning_text():
-    """What docs/gradient-scaling.md says of `-W error`: JAX raises its own runtime error holding the text,
-    and the state's consecutive_skips is what a loop can check instead."""
-    tx = jamp.scaler(optax.sgd(0.1), warn_after_skips=2, warn_below_scale=None)
-    step, state = train_step(tx), tx.init(PARAMS)
-    _, state = jax.block_until_ready(step(PARAMS, state, X_NAN, Y))
-    assert int(state.consecutive_skips) == 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", jamp.SkippedStepsWarning)
-        with pytest.raises(Exception, match="2 updates in a row were skipped") as raised:
-            jax.block_until_ready(step(PARAMS, state, X_NAN, Y))
-    assert not isinstance(raised.value, jamp.SkippedStepsWarning)  # JAX's runtime error (a ValueError on 0.10)
-
-
-def test_silenced_by_a_warnings_filter():
-    tx = jamp.scaler(optax.adam(1e-3), warn_after_skips=2)
-    step, state = train_step(tx), tx.init(PARAMS)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        warnings.filterwarnings("ignore", category=jamp.SkippedStepsWarning)
-        for _ in range(4):
-            _, state = jax.block_until_ready(step(PARAMS, state, X_NAN, Y))
-    assert caught == [] and bool(state.warned)
-    assert issubclass(jamp.SkippedStepsWarning, UserWarning) and "SkippedStepsWarning" in jamp.__all__
-
-
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        ({"warn_after_skips": 0}, ValueError, r"warn_after_skips must be an int in \[1, "),
-        ({"warn_after_skips": 2.5}, TypeError, "warn_after_skips must be an int"),
-        ({"warn_after_skips": True}, TypeError, "warn_after_skips must be an int"),
-        ({"warn_below_scale": 0.0}, ValueError, "warn_below_scale must be None or a finite float > 0"),
-        ({"warn_below_scale": float("inf")}, ValueError, "warn_below_scale must be None or a finite float > 0"),
-        ({"warn_below_scale": "1"}, TypeError, "warn_below_scale must be a real number"),
-    ],
-)
-def test_bad_thresholds_name_the_argument(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        jamp.scaler(optax.adam(1e-3), **kwargs)
-
-
-def test_disabled_scaler_says_nothing():
-    tx = jamp.scaler(optax.adam(1e-3), enabled=False, warn_after_skips=1)
-    _, state, seen, _ = train(train_step(tx), PARAMS, tx.init(PARAMS), [X_NAN] * 3)
-    assert isinstance(state, jamp.DisabledScalerState) and seen == [0, 0, 0]
-
-
-def test_inside_and_around_multisteps():
-    """jamp.scaler(MultiSteps(...)) steps the scaler per micro-batch. MultiSteps(jamp.scaler(...)) runs the scaler's
-    update on every micro-batch and keeps its state only at the window's end, so the host is called from each
-    micro-batch of the window that starts an episode, with the same numbers: it warns once."""
-    inner = jamp.scaler(
-        optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2), warn_after_skips=3, warn_below_scale=None
-    )
-    _, state, seen, messages = train(train_step(inner), PARAMS, inner.init(PARAMS), [X_NAN] * 5)
-    assert seen == [0, 0, 1, 1, 1] and int(state.consecutive_skips) == 5
-
-    outer = optax.MultiSteps(
-        jamp.scaler(optax.adam(1e-3), warn_after_skips=2, warn_below_scale=None), every_k_schedule=2
-    )
-    step, state = train_step(outer), outer.init(PARAMS)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(8):
-            _, state = jax.block_until_ready(step(PARAMS, state, X_NAN, Y))
-    assert [str(w.message)[:45] for w in caught] == ["jamp.scaler: 2 updates in a row were skipped "]
-    assert int(state.inner_opt_state.consecutive_skips) == 4
-
-
-def test_in_a_scan_over_steps_and_under_vmap():
-    tx = jamp.scaler(optax.sgd(0.1), init_scale=4.0, warn_after_skips=2, warn_below_scale=None)
-    grads = {"w": jnp.ones((3, 2)).at[1, 0].set(jnp.nan)}  # model 1 of 3 overflows
-    params = {"w": jnp.ones((3, 2))}
-
-    @jax.jit
-    def five_steps(state):
-        def body(s, _):
-            return jax.vmap(tx.update)(grads, s, params)[1], None
-
-        return jax.lax.scan(body, state, None, length=5)[0]
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        state = jax.block_until_ready(five_steps(jax.vmap(tx.init)(params)))
-    assert [int(n) for n in state.consecutive_skips] == [0, 5, 0]
-    assert [str(w.message)[:40] for w in caught] == ["jamp.scaler: 2 updates in a row were ski"]
 
 
 # ---------------------------------------------------------------- gradients of the unscaled loss

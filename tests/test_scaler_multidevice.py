@@ -55,50 +55,6 @@ CHILD = """
     out["jit_sharded"] = {"found": bool(s.found_inf), "zero_updates": bool(jnp.all(u["w"] == 0)),
                           "sharding_kept": u["w"].sharding.is_equivalent_to(g["w"].sharding, 2)}
 
-    # jamp.SkippedStepsWarning: three skips in a row with warn_after_skips=2, counted per layout
-    import warnings
-
-    def skipped_warnings(steps):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            jax.block_until_ready(steps())
-        return sum(w.category is jamp.SkippedStepsWarning for w in caught)
-
-    def warn_after_2(**kw):
-        return jamp.scaler(optax.sgd(0.1), init_scale=4.0, warn_after_skips=2, warn_below_scale=None, **kw)
-
-    def pmapped(axis_name):
-        tx = warn_after_2(axis_name=axis_name)
-        update = jax.pmap(tx.update, axis_name="i")
-
-        def steps():
-            s = stack(tx.init(params))
-            for _ in range(3):
-                _, s = update(grads(2), s, stack(params))
-            return s
-        return steps
-
-    tx = warn_after_2(axis_name="x")
-    sharded = jax.jit(jax.shard_map(lambda g, s: tx.update(g, s)[1], mesh=mesh, in_specs=(P("x"), P()),
-                                    out_specs=P()))
-
-    def shard_map_steps():
-        s = tx.init({"w": jnp.ones(4)})
-        for _ in range(3):
-            s = sharded({"w": grads(5)["w"]}, s)
-        return s
-
-    tx_jit = warn_after_2()
-    update_jit = jax.jit(tx_jit.update)
-
-    def jit_steps():
-        s = tx_jit.init(p)
-        for _ in range(3):
-            _, s = update_jit(g, s, p)
-        return s
-
-    out["warnings"] = {"pmap_i": skipped_warnings(pmapped("i")), "pmap_None": skipped_warnings(pmapped(None)),
-                       "shard_map": skipped_warnings(shard_map_steps), "jit_sharded": skipped_warnings(jit_steps)}
     print(json.dumps(out))
 """
 
@@ -134,7 +90,105 @@ def test_jit_over_a_sharded_mesh_reduces_the_flag_globally(child):
     assert child["jit_sharded"] == {"found": True, "zero_updates": True, "sharding_kept": True}
 
 
-def test_skipped_steps_warn_once_not_once_per_device(child):
-    """With axis_name every replica takes the same decision and only the first calls the host; under jit the
-    callback runs once; a pmap without axis_name warns for the one replica whose steps are skipped."""
-    assert child["warnings"] == {"pmap_i": 1, "pmap_None": 1, "shard_map": 1, "jit_sharded": 1}
+# The distributed forms users write, each with the skipped-steps report on and an overflow in one device's batch:
+# every device skips, nothing moves, and the report says so once (issue 36: the report's conditional crashed
+# shard_map with per-device state under check_vma).
+FORMS = """
+import json, warnings
+import jax, jax.numpy as jnp, numpy as np, optax, jamp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jamp.scaling import skip_report
+skip_report.READ_BUDGET = 1.0
+n = jax.device_count()
+mesh = jax.make_mesh((n,), ("d",))
+params = {"w": jnp.ones((4,))}
+X = jnp.arange(n * 4.0).reshape(n, 4) / 10
+X_BAD = X.at[3, 1].set(1e30)  # device 3's batch: its squared loss overflows float32
+
+def loss(p, x):
+    return jnp.sum((p["w"] * x) ** 2)
+
+def run(step, p, s, x, steps=3):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p0 = p
+        for _ in range(steps):
+            p, s = step(p, s, x)
+        jax.block_until_ready(p)
+        jamp.report_skipped_steps(s)
+    found = np.asarray(jamp.found_inf(s)).ravel().tolist()
+    moved = bool(jax.tree.reduce(lambda a, b: a or b, jax.tree.map(lambda a, b: bool(jnp.any(a != b)), p0, p)))
+    return {"found": found, "moved": moved, "warnings": sum(w.category is jamp.SkippedStepsWarning for w in caught)}
+
+out = {}
+tx = jamp.scaler(optax.adam(0.1), axis_name="d", warn_after_skips=2)
+sh = NamedSharding(mesh, P("d"))
+stack = lambda t: jax.tree.map(lambda a: jax.device_put(jnp.stack([a] * n), sh), t)
+def per_device(p, s, x):
+    p, s, x = jax.tree.map(lambda a: a[0], (p, s, x))
+    g = jax.grad(lambda q: jamp.scale(loss(q, x), s))(p)
+    u, s = tx.update(g, s, p)
+    return jax.tree.map(lambda a: a[None], (optax.apply_updates(p, u), s))
+for check_vma in (True, False):
+    step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=check_vma))
+    out[f"shard_map_per_device_vma_{check_vma}"] = run(lambda p, s, x: step(p, s, x), stack(params), stack(tx.init(params)), jax.device_put(X_BAD, sh))
+
+for axis_name in ("d", None):
+    txr = jamp.scaler(optax.adam(0.1), axis_name=axis_name, warn_after_skips=2)
+    def replicated(p, s, x):
+        g = jax.lax.pmean(jax.grad(lambda q: jamp.scale(loss(q, x), s))(p), "d")
+        u, s = txr.update(g, s, p)
+        return optax.apply_updates(p, u), s
+    for check_vma in (True, False):
+        step = jax.jit(jax.shard_map(replicated, mesh=mesh, in_specs=(P(), P(), P("d")), out_specs=P(), check_vma=check_vma))
+        out[f"shard_map_replicated_{axis_name}_vma_{check_vma}"] = run(step, params, txr.init(params), jax.device_put(X_BAD, sh))
+
+txp = jamp.scaler(optax.adam(0.1), axis_name="i", warn_after_skips=2)
+def pm(p, s, x):
+    g = jax.grad(lambda q: jamp.scale(loss(q, x), s))(p)
+    u, s = txp.update(g, s, p)
+    return optax.apply_updates(p, u), s
+pstep = jax.pmap(pm, axis_name="i")
+out["pmap"] = run(pstep, jax.tree.map(lambda a: jnp.stack([a] * n), params), jax.tree.map(lambda a: jnp.stack([a] * n), txp.init(params)), X_BAD)
+
+txj = jamp.scaler(optax.adam(0.1), warn_after_skips=2)
+def glob(p, s, x):
+    g = jax.grad(lambda q: jamp.scale(loss(q, x), s))(p)
+    u, s = txj.update(g, s, p)
+    return optax.apply_updates(p, u), s
+rep = NamedSharding(mesh, P())
+out["jit_named_sharding"] = run(jax.jit(glob), jax.device_put(params, rep), jax.device_put(txj.init(params), rep), jax.device_put(X_BAD, sh))
+
+if hasattr(jax.sharding, "AxisType"):
+    mesh_e = jax.make_mesh((n,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh_e):
+        out["jit_explicit_axes"] = run(jax.jit(glob), jax.device_put(params, NamedSharding(mesh_e, P())),
+                                       jax.device_put(txj.init(params), NamedSharding(mesh_e, P())),
+                                       jax.device_put(X_BAD, NamedSharding(mesh_e, P("d"))))
+print(json.dumps(out))
+"""
+
+FORM_NAMES = [
+    "shard_map_per_device_vma_True",
+    "shard_map_per_device_vma_False",
+    "shard_map_replicated_d_vma_True",
+    "shard_map_replicated_d_vma_False",
+    "shard_map_replicated_None_vma_True",
+    "shard_map_replicated_None_vma_False",
+    "pmap",
+    "jit_named_sharding",
+    "jit_explicit_axes",
+]
+
+
+@pytest.fixture(scope="module")
+def forms():
+    return json.loads(run_subprocess(FORMS, devices=8).strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("form", FORM_NAMES)
+def test_every_device_skips_and_the_report_comes_once(forms, form):
+    if form == "jit_explicit_axes" and form not in forms:
+        pytest.skip("this JAX has no explicit mesh axis types")
+    result = forms[form]
+    assert all(result["found"]) and not result["moved"] and result["warnings"] == 1, result

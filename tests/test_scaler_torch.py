@@ -212,6 +212,8 @@ def test_update_kernel_matches_torch_amp_update_scale():
         found_inf=col("found_inf", np.float32) != 0,
         consecutive_skips=jnp.zeros(n, jnp.int32),
         warned=jnp.zeros(n, jnp.bool_),
+        skip_episodes=jnp.zeros(n, jnp.int32),
+        scaler_id=jnp.zeros(n, jnp.int32),
         inner_state=None,
     )
     scale, tracker = jax.jit(scaler_rule.next_scale)(state, state.found_inf)

@@ -2,10 +2,11 @@
 
 orbax restores a tree it is given no target for as nested dicts and lists (a NamedTuple becomes a dict of its
 fields, a tuple a list), and refuses a target whose structure differs from the checkpoint's. A checkpoint
-saved by a jamp whose ``ScalerState`` did not have ``consecutive_skips`` and ``warned`` yet (the skipped-steps
-warning's episode, :mod:`jamp.scaling.skip_warning`) therefore restores only without a target; this puts its
-values into the target's structure and starts those two fields as ``tx.init`` does: no skips counted, nothing
-reported (a run of skips under way when it was saved is counted from the restore).
+saved by a jamp whose ``ScalerState`` lacked some of the skipped-steps report's fields (``consecutive_skips``,
+``warned``, ``skip_episodes``, ``scaler_id``: :mod:`jamp.scaling.skip_episodes`) therefore restores only without
+a target; this puts its values into the target's structure and takes the missing fields from the target, as
+``tx.init`` made them: no skips counted, no episode, the target's scaler (a run of skips under way when it was
+saved is counted from the restore).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jamp.scaling import state as scaler_state
 from jamp.scaling.state import ScalerState
 
 # ScalerState fields that a checkpoint saved by an older jamp lacks
-ADDED_FIELDS = ("consecutive_skips", "warned")
+ADDED_FIELDS = ("consecutive_skips", "warned", "skip_episodes", "scaler_id")
 
 _MISSING = object()
 
@@ -56,8 +57,8 @@ def from_restored(target: Any, restored: Any) -> Any:
     holding the values of ``restored``, what ``checkpointer.restore(path)`` returned without a target.
 
     Each leaf must have the target's shape and dtype (a ValueError names the path otherwise) and is placed with
-    the target leaf's sharding when it has one. ``consecutive_skips`` and ``warned`` of a scaler state that the
-    checkpoint lacks (saved by an older jamp) start as ``tx.init`` makes them, 0 and False.
+    the target leaf's sharding when it has one. The skipped-steps fields of a scaler state that the checkpoint
+    lacks (saved by an older jamp) are the target's (zeros where the target is a ``jax.eval_shape``).
     """
     added = _added_field_paths(target)
     keystr = jax.tree_util.keystr
@@ -67,7 +68,7 @@ def from_restored(target: Any, restored: Any) -> Any:
         for depth, key in enumerate(path):
             node = _child(node, key)
             if node is _MISSING and path in added:
-                node = np.zeros(*want)  # as tx.init makes them: no skips counted, nothing reported
+                node = leaf if isinstance(leaf, jax.Array) else np.zeros(*want)  # as tx.init made it
                 break
             if node is _MISSING:
                 raise ValueError(

@@ -26,6 +26,9 @@ _INT32_MAX = 2**31 - 1
 class ScalerState(NamedTuple):
     """State of an enabled :func:`jamp.scaler` (torch ``GradScaler``'s ``_scale``/``_growth_tracker`` and config).
 
+    ``consecutive_skips``, ``warned``, ``skip_episodes`` and ``scaler_id`` are jamp's: the skipped-steps report
+    (:mod:`jamp.scaling.skip_episodes` counts on the device, :mod:`jamp.scaling.skip_report` reads on the host,
+    and registers this class as a pytree node whose flatten does the reading).
     ``growth_factor`` and ``backoff_factor`` are the IEEE-754 doubles of the Python floats as ``uint32[2]``
     (high word, low word): torch multiplies the scale by them in double precision, and JAX without x64 has
     no double. ``jamp.state_dict`` shows them as floats.
@@ -40,7 +43,11 @@ class ScalerState(NamedTuple):
     max_scale: jax.Array  # f32[]: growth never goes above (inf: no ceiling, as torch)
     found_inf: jax.Array  # bool[]: the last update saw inf/NaN and was skipped
     consecutive_skips: jax.Array  # i32[]: updates skipped in a row (0 after a step that was taken)
-    warned: jax.Array  # bool[]: this run of skips was reported (jamp.SkippedStepsWarning); cleared by a step taken
+    warned: (
+        jax.Array
+    )  # bool[]: this run of skips started an episode (jamp.SkippedStepsWarning); cleared by a step taken
+    skip_episodes: jax.Array  # i32[]: episodes so far (runs of skips that reached a warn_* threshold); never reset
+    scaler_id: jax.Array  # i32[]: the number of the jamp.scaler that made the state (creation order in the process)
     inner_state: optax.OptState
 
 
@@ -162,7 +169,7 @@ def find(opt_state: Any) -> ScalerState | DisabledScalerState:
             "with a target so the structure comes back, e.g. checkpointer.restore(path, {'opt_state': "
             "tx.init(params), ...}) or, without allocating, jax.eval_shape(tx.init, params) as the target; or put "
             "what was restored into that structure with jamp.from_restored(target, restored), which also takes a "
-            "checkpoint saved by a jamp without ScalerState.consecutive_skips and .warned (a target cannot "
+            "checkpoint saved by a jamp without ScalerState.consecutive_skips, .warned, .skip_episodes or .scaler_id (a target cannot "
             "restore those)"
         )
     what = "no jamp.scaler state" if not found else f"{len(found)} jamp.scaler states"

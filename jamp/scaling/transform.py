@@ -20,7 +20,7 @@ import jamp_kernels
 from jamp._arguments import checked_bool, checked_transformation
 from jamp._torch_names import ScalerTransformation
 from jamp.scaling import rule as scale_rule
-from jamp.scaling import skip, skip_warning, unscaled_grads
+from jamp.scaling import skip, skip_episodes, skip_report, unscaled_grads
 from jamp.scaling import state as scaler_state
 from jamp.scaling.state import DisabledScalerState, ScalerState
 
@@ -139,10 +139,11 @@ def scaler(
     ``min_scale``/``max_scale`` are extras beyond torch, off by default. ``enabled=False`` applies ``inner``
     on every step, validates nothing but ``inner``, and makes ``jamp.scale`` the identity.
 
-    Beyond torch, which says nothing, the step warns (:class:`jamp.SkippedStepsWarning`, from the device, once
-    per episode) when ``warn_after_skips`` updates in a row were skipped or a backoff takes the scale below
-    ``warn_below_scale`` (:mod:`jamp.scaling.skip_warning` says why 32 and 1.0); None turns a condition off, and
-    both None leave nothing in the compiled step. Gradients that were differentiated in the same jitted function
+    Beyond torch, which says nothing, the scaler warns (:class:`jamp.SkippedStepsWarning`, once per episode)
+    when ``warn_after_skips`` updates in a row were skipped or a backoff takes the scale below
+    ``warn_below_scale`` (:mod:`jamp.scaling.skip_episodes` says why 32 and 1.0); None turns a condition off.
+    The step only counts episodes in its state, with no callback or conditional; the host reads the count when
+    the state is passed to a later step (:mod:`jamp.scaling.skip_report`). Gradients that were differentiated in the same jitted function
     without ``jamp.scale`` get a :class:`jamp.UnscaledGradientsWarning` while tracing.
 
     Unlike torch, where several optimizers share one GradScaler and each skips on its own overflow, one
@@ -161,7 +162,8 @@ def scaler(
         **scaler_state.bounds(min_scale, max_scale),
     }
     scale0 = scaler_state.checked_init_scale(init_scale, hp)
-    skipped_steps = skip_warning.SkipWarning(warn_after_skips, warn_below_scale)
+    limits = skip_episodes.thresholds(warn_after_skips, warn_below_scale)
+    reporter = skip_report.Reporter.new(limits)
 
     def init(params: optax.Params) -> ScalerState:
         return ScalerState(
@@ -169,7 +171,8 @@ def scaler(
             growth_tracker=jnp.zeros((), jnp.int32),
             **scaler_state.as_arrays(hp),
             found_inf=jnp.zeros((), jnp.bool_),
-            **skip_warning.initial_fields(),
+            **skip_episodes.initial_fields(),
+            scaler_id=jnp.asarray(reporter.start()),
             inner_state=inner_tx.init(params),
         )
 
@@ -183,7 +186,7 @@ def scaler(
         finite = jax.tree.map(lambda g: jnp.where(found_inf, jnp.zeros_like(g), g), unscaled)
         updates, inner_state = skip.step_or_skip(inner_tx.update, found_inf, finite, state.inner_state, params, extra)
         scale, tracker = scale_rule.next_scale(state, found_inf)
-        episode = skipped_steps.track(state, found_inf, scale)
+        episode = skip_episodes.track(limits, state, found_inf, scale)
         return updates, state._replace(
             scale=scale, growth_tracker=tracker, found_inf=found_inf, inner_state=inner_state, **episode
         )
