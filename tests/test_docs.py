@@ -3,7 +3,7 @@
 1. Every ```python block in docs/**/*.md is executed; the blocks of one page share a namespace and run
    in order. A block preceded by ``<!-- skip: reason -->`` is not run (torch code, mostly). A ```text
    block preceded by ``<!-- expected-output -->`` must equal what the python block before it printed.
-2. The op reference pages that docs/gen_op_reference.py generates at build time show every primitive of
+2. The op reference pages that docs/hooks/gen_op_reference.py generates at build time show every primitive of
    jamp.casting.oplists under the category jamp.get_policy(device) gives it, and every region rule.
 3. ``mkdocs build --strict`` succeeds (skipped where the ``docs`` extra is not installed).
 """
@@ -122,8 +122,8 @@ def test_code_lines_fit_the_page(path: Path):
 
 
 def test_table_code_breaks_after_punctuation_and_never_inside_a_short_name():
-    """docs/code_in_tables.py: a narrow column splits `enabled=False` at `=`, never into `enabled=Fa` / `lse`."""
-    spec = importlib.util.spec_from_file_location("code_in_tables", DOCS / "code_in_tables.py")
+    """docs/hooks/code_in_tables.py: a narrow column splits `enabled=False` at `=`, never into `enabled=Fa` / `lse`."""
+    spec = importlib.util.spec_from_file_location("code_in_tables", DOCS / "hooks" / "code_in_tables.py")
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)
     assert hook.with_breaks("jamp.autocast(enabled=False):") == "jamp.<wbr>autocast(<wbr>enabled=<wbr>False):"
@@ -143,7 +143,7 @@ def test_skipped_blocks_are_rare():
 
 
 def _load_generator():
-    spec = importlib.util.spec_from_file_location("gen_op_reference", DOCS / "gen_op_reference.py")
+    spec = importlib.util.spec_from_file_location("gen_op_reference", DOCS / "hooks" / "gen_op_reference.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
