@@ -92,5 +92,24 @@
       report("diagram shown as source", 0, code);
     }
   }
+  // 5. Diagrams drawn at build time (docs/hooks/diagrams.py sizes boxes for a monospace font without measuring):
+  //    every text inside its box, no arrow label over a box, text no smaller than 8 px once scaled.
+  const overlap = (a, b) => a.x < b.x + b.width && b.x < a.x + a.width && a.y < b.y + b.height && b.y < a.y + a.height;
+  for (const svg of content.querySelectorAll("svg.jamp-diagram")) {
+    const boxes = [...svg.querySelectorAll(".node")].map((g) => [g, g.querySelector("rect, polygon").getBBox()]);
+    for (const [g, shape] of boxes) {
+      const text = g.querySelector("text").getBBox();
+      const out = Math.max(shape.x - text.x, text.x + text.width - shape.x - shape.width, shape.y - text.y,
+        text.y + text.height - shape.y - shape.height);
+      if (out > 0.5) report("diagram text outside its box", out, g);
+    }
+    for (const label of svg.querySelectorAll(".label text")) {
+      const at = label.getBBox();
+      for (const [g, shape] of boxes) if (overlap(at, shape)) report("diagram label over a box", 0, label);
+    }
+    const scale = svg.getBoundingClientRect().width / svg.viewBox.baseVal.width;
+    const size = scale * parseFloat(svg.getAttribute("font-size"));
+    if (size < 8) report(`diagram text ${size.toFixed(1)} px high`, 0, svg);
+  }
   return problems;
 }
