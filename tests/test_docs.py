@@ -129,6 +129,7 @@ def test_table_code_breaks_after_punctuation_and_never_inside_a_short_name():
     spec.loader.exec_module(hook)
     assert hook.with_breaks("jamp.autocast(enabled=False):") == "jamp.<wbr>autocast(<wbr>enabled=<wbr>False):"
     assert hook.with_breaks("regularized_incomplete_beta") == "regularized_<wbr>incomplete_<wbr>beta"
+    assert hook.with_breaks("init_scale=2.0**15") == "init_scale=<wbr>2.0**15"
     assert hook.with_breaks("device_type=&quot;cuda&quot;, dtype=...") == "device_type=<wbr>&quot;cuda&quot;, dtype=..."
     page = "<p><code>a.b</code></p><table><tr><td><code>a.b</code></td></tr></table>"
     assert hook.on_page_content(page) == "<p><code>a.b</code></p><table><tr><td><code>a.<wbr>b</code></td></tr></table>"
