@@ -3,7 +3,7 @@
 1. Every ```python block in docs/**/*.md is executed; the blocks of one page share a namespace and run
    in order. A block preceded by ``<!-- skip: reason -->`` is not run (torch code, mostly). A ```text
    block preceded by ``<!-- expected-output -->`` must equal what the python block before it printed.
-2. The op reference pages that docs/gen_op_reference.py generates at build time show every primitive of
+2. The op reference pages that docs/hooks/gen_op_reference.py generates at build time show every primitive of
    jamp.casting.oplists under the category jamp.get_policy(device) gives it, and every region rule.
 3. ``mkdocs build --strict`` succeeds (skipped where the ``docs`` extra is not installed).
 """
@@ -103,7 +103,8 @@ def test_markers_are_well_formed(path: Path):
 
 
 # Columns of a code block that a 1280 px wide browser shows without scrolling (mkdocs-material's content
-# column shows 81); `text` blocks wrap instead (docs/stylesheets/extra.css), a `mermaid` block is a diagram.
+# column shows 81); `text` blocks wrap instead (docs/stylesheets/extra.css), a `diagram` block is drawn as an
+# SVG (docs/hooks/diagrams.py).
 CODE_COLUMNS = 80
 
 
@@ -114,7 +115,7 @@ def test_code_lines_fit_the_page(path: Path):
     long = [
         f"{path.name}:{block.line + i + 1}: {len(line)} columns"
         for block in blocks(path)
-        if block.lang not in ("text", "mermaid")
+        if block.lang not in ("text", "diagram")
         for i, line in enumerate(block.code.splitlines())
         if len(line) > CODE_COLUMNS
     ]
@@ -122,12 +123,13 @@ def test_code_lines_fit_the_page(path: Path):
 
 
 def test_table_code_breaks_after_punctuation_and_never_inside_a_short_name():
-    """docs/code_in_tables.py: a narrow column splits `enabled=False` at `=`, never into `enabled=Fa` / `lse`."""
-    spec = importlib.util.spec_from_file_location("code_in_tables", DOCS / "code_in_tables.py")
+    """docs/hooks/code_in_tables.py: a narrow column splits `enabled=False` at `=`, never into `enabled=Fa` / `lse`."""
+    spec = importlib.util.spec_from_file_location("code_in_tables", DOCS / "hooks" / "code_in_tables.py")
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)
     assert hook.with_breaks("jamp.autocast(enabled=False):") == "jamp.<wbr>autocast(<wbr>enabled=<wbr>False):"
     assert hook.with_breaks("regularized_incomplete_beta") == "regularized_<wbr>incomplete_<wbr>beta"
+    assert hook.with_breaks("init_scale=2.0**15") == "init_scale=<wbr>2.0**15"
     assert hook.with_breaks("device_type=&quot;cuda&quot;, dtype=...") == "device_type=<wbr>&quot;cuda&quot;, dtype=..."
     page = "<p><code>a.b</code></p><table><tr><td><code>a.b</code></td></tr></table>"
     assert hook.on_page_content(page) == "<p><code>a.b</code></p><table><tr><td><code>a.<wbr>b</code></td></tr></table>"
@@ -143,7 +145,7 @@ def test_skipped_blocks_are_rare():
 
 
 def _load_generator():
-    spec = importlib.util.spec_from_file_location("gen_op_reference", DOCS / "gen_op_reference.py")
+    spec = importlib.util.spec_from_file_location("gen_op_reference", DOCS / "hooks" / "gen_op_reference.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -14,7 +14,8 @@ import re
 
 TABLE = re.compile(r"<table\b.*?</table>", re.S)
 INLINE_CODE = re.compile(r"<code>([^<]*)</code>")
-BREAK_AFTER = re.compile(r"([(,.=/\[])(?=[^\s)\].])")  # not before a closing bracket or inside "..."
+# not before a closing bracket or inside "...", nor at a number's decimal point ("2.0**15")
+BREAK_AFTER = re.compile(r"([(,=/\[]|(?<!\d)\.)(?=[^\s)\].])")
 LONG_NAME = re.compile(r"\w{14,}")  # longer than device_type or cache_enabled
 INNER_UNDERSCORE = re.compile(r"(?<=[^\W_])_(?=[^\W_])")
 
