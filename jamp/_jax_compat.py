@@ -10,11 +10,13 @@ primitive and parameter when a new release moves something read here.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import jax
+import numpy as np
 from jax._src import config as jax_config
-from jax._src import source_info_util
+from jax._src import source_info_util, xla_bridge
 from jax._src.interpreters import batching
 from jax._src.interpreters import partial_eval as pe
 from jax._src.util import weakref_lru_cache
@@ -255,8 +257,54 @@ def _host_as_h100():
         del gpu_info.registry[kind]
 
 
+# -- dot algorithms (``precision=lax.DotAlgorithmPreset.F16_F16_F32``) -----------------------------------
+# The platforms a program may be lowered for from any host, as ``lax.platform_dependent`` names them.
+LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def dot_algorithm(precision: Any) -> Any:
+    """``precision`` (a dot_general's parameter) if it names an algorithm other than the default, else None."""
+    named = isinstance(precision, (jax.lax.DotAlgorithm, jax.lax.DotAlgorithmPreset))
+    return precision if named and precision != jax.lax.DotAlgorithmPreset.DEFAULT else None
+
+
+def platforms_refusing(algorithm: Any, lhs: Any, rhs: Any, preferred: Any) -> tuple[str, ...]:
+    """The platforms that refuse a ``dot_general`` of ``lhs`` x ``rhs`` operands (dtypes) with ``algorithm``
+    and ``preferred_element_type=preferred``, where another platform accepts it (none accepting it: the
+    program's own error, left for JAX to report). JAX itself is asked, once per algorithm and dtypes: a 2x2
+    dot is lowered for each of :data:`LOWERING_PLATFORMS` (JAX checks the algorithm there: CPU accepts a
+    few) and, for this process's own platform, compiled (XLA checks: JAX notes that a TPU refuses
+    F16_F16_F32, some GPUs BF16_BF16_F32). A platform the plain dot cannot be lowered for from here is
+    not asked."""
+    return _refusing(algorithm, *(None if d is None else np.dtype(d) for d in (lhs, rhs, preferred)))
+
+
+@functools.cache
+def _refusing(algorithm: Any, lhs: np.dtype, rhs: np.dtype, preferred: np.dtype | None) -> tuple[str, ...]:
+    local = xla_bridge.canonicalize_platform(jax.default_backend())
+    operands = [jax.ShapeDtypeStruct((2, 2), d) for d in (lhs, rhs)]
+
+    def builds(platform: str, precision: Any) -> bool:
+        def dot(a, b):
+            dims = (((1,), (0,)), ((), ()))
+            return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=preferred)
+
+        try:
+            lowered = jax.jit(dot).trace(*operands).lower(lowering_platforms=(platform,))
+            if platform == local:
+                lowered.compile()
+        except (ValueError, TypeError, NotImplementedError, jax.errors.JaxRuntimeError):
+            return False
+        return True
+
+    platforms = dict.fromkeys((*LOWERING_PLATFORMS, local))
+    accepts = {p: builds(p, algorithm) for p in platforms if builds(p, None)}
+    return tuple(p for p, ok in accepts.items() if not ok) if any(accepts.values()) else ()
+
+
 __all__ = [
     "INLINE_WHILE_TRACING",
+    "LOWERING_PLATFORMS",
     "ClosedJaxpr",
     "Jaxpr",
     "Literal",
@@ -265,6 +313,7 @@ __all__ = [
     "convert_constvars_jaxpr",
     "cudnn_version",
     "current_name_stack",
+    "dot_algorithm",
     "hide_from_source_info",
     "is_differentiated",
     "is_symbolic_zero",
@@ -276,6 +325,7 @@ __all__ = [
     "lower_for_cuda",
     "made_by_backward_pass",
     "name_stack_str",
+    "platforms_refusing",
     "producer",
     "producer_inputs",
     "shard_map_body",

@@ -6,6 +6,9 @@ float32 model gets flash attention. JAX's cuDNN kernel refuses float32 while it 
 implementation is picked for the dtype it is traced with: cuDNN's flash attention where the backend is
 CUDA and the kernel supports the call (the conditions JAX checks), else XLA's. Outside autocast the same
 call runs on the dtypes it is given (a float32 model: XLA's implementation, as ``jax.nn``'s default).
+Either way it runs on every backend: XLA's float16 attention asks for a dot algorithm that JAX's lowering
+for a CPU refuses, and jamp binds that dot so that each platform gets a form it accepts
+(:mod:`jamp.casting.portable_dots`).
 
 The adapters give flax's attention modules (``attention_fn=``) and Equinox's ``MultiheadAttention`` the
 same call.
@@ -13,6 +16,7 @@ same call.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
@@ -23,7 +27,9 @@ import numpy as np
 
 from jamp import _jax_compat as jc
 from jamp.casting.dtypes import LOW_DTYPES
+from jamp.casting.interpreter import run_as_written
 from jamp.casting.low_precision_calls import lower_precision
+from jamp.casting.tracing import tracing_depth
 
 jc.hide_from_source_info(__file__)  # an attention call points to the model's line
 
@@ -90,6 +96,9 @@ def cudnn_refusal(
     return None
 
 
+_STATIC = ("scale", "is_causal", "local_window_size", "implementation", "return_residual")
+
+
 @lower_precision
 def dot_product_attention(
     query: jax.Array,
@@ -112,25 +121,38 @@ def dot_product_attention(
     is traced (:func:`jamp.lower_precision`), so cuDNN's flash attention runs for a float32 model.
     ``implementation=None`` picks ``"cudnn"`` where the backend is CUDA and cuDNN supports the call in the
     dtype it is traced with (:func:`cudnn_refusal` says why not), else ``"xla"``; an explicit
-    ``implementation`` is passed on as given. Outside autocast the call runs on the dtypes it is given.
+    ``implementation`` is passed on as given. Outside autocast the call runs on the dtypes it is given. A dot
+    whose algorithm a platform refuses (float16 logits on a CPU) runs there in a form it accepts.
     """
     if implementation is None:
         refused = cudnn_refusal(query, key, value, bias, mask, is_causal=is_causal, local_window_size=local_window_size)
         implementation = "xla" if refused else "cudnn"
-    return jax.nn.dot_product_attention(
-        query,
-        key,
-        value,
-        bias,
-        mask,
+    static = dict(
         scale=scale,
         is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=local_window_size,
+        local_window_size=local_window_size if local_window_size is None else _pair_or_int(local_window_size),
         implementation=implementation,
         return_residual=return_residual,
     )
+    lengths = dict(query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
+    if tracing_depth():  # autocast's interpreter binds the call, each dot portably
+        return jax.nn.dot_product_attention(query, key, value, bias, mask, **lengths, **static)
+    return _as_written(query, key, value, bias, mask, lengths, **static)
+
+
+def _pair_or_int(size: Any) -> int | tuple:
+    """A window size as a static argument of a jit: hashable (a list given for the pair becomes a tuple)."""
+    return size if isinstance(size, int) else tuple(size)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, inline=jc.INLINE_WHILE_TRACING)
+def _as_written(query, key, value, bias, mask, lengths: dict, **static) -> Any:
+    """``jax.nn.dot_product_attention`` outside autocast, where its dots may name an algorithm a platform
+    refuses (float16 logits: ``F16_F16_F32``, which JAX's lowering for CPU refuses): they run there in a form
+    it accepts (:func:`jamp.casting.interpreter.run_as_written`). Traced once per signature (then inlined
+    into an enclosing trace, and compiled once when called eagerly)."""
+    call = functools.partial(jax.nn.dot_product_attention, **static)
+    return run_as_written(call, query, key, value, bias, mask, **lengths)
 
 
 def _refuse(condition: bool, message: str) -> None:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import _jax_compat as jc
-from jamp.casting import accumulation, regions, rounding
+from jamp.casting import accumulation, portable_dots, regions, rounding
 from jamp.casting.dtypes import FLOAT32, is_eligible, is_low
 from jamp.casting.policy import Policy
 
@@ -146,9 +146,10 @@ class Call:
         return self.env.cast(x, dtype)
 
     def bind_with(self, invals, params: dict):
-        """Bind with exactly ``params`` (higher-order primitives pass ``get_bind_params`` output)."""
+        """Bind with exactly ``params`` (higher-order primitives pass ``get_bind_params`` output); a dot whose
+        algorithm a platform refuses runs there in a form it accepts (:mod:`jamp.casting.portable_dots`)."""
         self.bound = invals
-        return self.eqn.primitive.bind(*invals, **params)
+        return portable_dots.bind(self.eqn.primitive, invals, params)
 
     def recorded_dtype(self, i: int):
         return self.eqn.invars[i].aval.dtype

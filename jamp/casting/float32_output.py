@@ -13,29 +13,36 @@ and multiplies it in bfloat16).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 
+from jamp.casting import portable_dots
 from jamp.casting.dtypes import FLOAT32
 
 
 def bilinear_float32_output(primitive: Any, params: dict, compute_dtype: Any) -> Any:
     """``f(lhs, rhs)``: ``primitive`` (a matmul or convolution, bilinear in its two operands) returning
     float32, whose derivative is computed with compute-dtype tangents and products."""
-    exact = {**params, "preferred_element_type": FLOAT32}
-    low = {**params, "preferred_element_type": compute_dtype}
+    # bound as every matmul jamp binds: portable to the platforms that refuse a dot algorithm in ``params``
+    exact = functools.partial(_bind, primitive, {**params, "preferred_element_type": FLOAT32})
+    low = functools.partial(_bind, primitive, {**params, "preferred_element_type": compute_dtype})
 
     @jax.custom_jvp
     def matmul(lhs, rhs):
-        return primitive.bind(lhs, rhs, **exact)
+        return exact(lhs, rhs)
 
     @matmul.defjvp
     def matmul_jvp(primals, tangents):
         lhs, rhs = primals
         d_lhs, d_rhs = (t.astype(compute_dtype) for t in tangents)
-        tangent = primitive.bind(d_lhs, rhs, **low).astype(FLOAT32) + primitive.bind(lhs, d_rhs, **low).astype(FLOAT32)
+        tangent = low(d_lhs, rhs).astype(FLOAT32) + low(lhs, d_rhs).astype(FLOAT32)
         # the primal as a plain matmul, not a nested custom_jvp call, so that remat policies see a dot
-        return primitive.bind(lhs, rhs, **exact), tangent
+        return exact(lhs, rhs), tangent
 
     return matmul
+
+
+def _bind(primitive: Any, params: dict, *operands) -> Any:
+    return portable_dots.bind(primitive, list(operands), params)

@@ -8,11 +8,16 @@ recompile.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
+import jax.numpy as jnp
 
 from jamp import _jax_compat as jc
-from jamp.casting import regions
+from jamp.casting import portable_dots, regions
 from jamp.casting.call import MATMUL_LIKE, Call, Context, Env, cast_outputs
+from jamp.casting.policy import OFF, Policy
 
 # Equations whose output keeps the "size before broadcast" of their input (bias detection).
 _BROADCAST_LIKE = ("broadcast_in_dim", "reshape", "convert_element_type")
@@ -69,3 +74,20 @@ def _trace_open(jaxpr: jc.Jaxpr, in_avals: tuple, ctx: Context) -> jc.ClosedJaxp
 
 
 retrace_open = jc.weakref_lru_cache(_trace_open)
+
+
+# Every equation bound as the program recorded it (region mode ``off``; a policy without region rules, so
+# that no jit name switches the mode).
+_AS_WRITTEN = Context(Policy(jnp.bfloat16), OFF)
+
+
+def run_as_written(fun: Callable, *args, **kwargs) -> Any:
+    """``fun(*args, **kwargs)``; a program holding a dot whose algorithm a platform refuses is evaluated through this
+    interpreter as written, so that the dot runs there in a form it accepts (:mod:`jamp.casting.portable_dots`).
+    For calls outside autocast (``jamp.nn``'s); an autocast's own evaluation binds every dot that way."""
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args, **kwargs)
+    if not portable_dots.holds_refused(closed.jaxpr):
+        return fun(*args, **kwargs)
+    portable = trace_jaxpr(closed, tuple(closed.in_avals), _AS_WRITTEN, None)
+    outs = jax.core.eval_jaxpr(portable.jaxpr, portable.consts, *jax.tree.leaves((args, kwargs)))
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
