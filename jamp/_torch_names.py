@@ -145,7 +145,9 @@ SCALER_METHODS: dict[str, str] = {
     ),
     "unscale_": (
         "not needed: tx.update unscales before the optimizer it wraps runs, so a clip inside it sees "
-        "unscaled gradients: jamp.scaler(optax.clip_by_global_norm(1.0), optax.adam(1e-3))"
+        "unscaled gradients: jamp.scaler(optax.clip_by_global_norm(1.0), optax.adam(1e-3)). To log the unscaled "
+        "gradients (a norm), jamp.unscale(grads, opt_state) returns them, and tx.update still gets the scaled "
+        "grads: it divides what it gets, so unscaled ones would be divided twice"
     ),
     "get_scale": "jamp.get_scale(opt_state)",
     "is_enabled": "jamp.state_dict(opt_state) != {}",

@@ -1,0 +1,156 @@
+"""Traps that change the numbers without a word (issue 36, point 4), and the weak errors beside them.
+
+* gradients unscaled outside the scaler (torch's ``unscale_`` habit) and then handed to ``tx.update``, which
+  divides them again: ``jamp.unscale`` is for logging, and jamp warns when the step does that.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jamp
+import jamp_kernels
+
+TARGET = jnp.array([0.27, 0.0, 0.0], jnp.float32)
+PARAMS = {"w": jnp.zeros(3, jnp.float32)}  # the gradient is w - TARGET: norm 0.27, under a clip of 1.0
+
+
+def loss_fn(p):
+    return 0.5 * jnp.sum((p["w"] - TARGET) ** 2)
+
+
+def scaled_grads(p, opt_state):
+    return jax.grad(lambda q: jamp.scale(loss_fn(q), opt_state))(p)
+
+
+def caught_while_tracing(step, *args) -> list[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(step).trace(*args)
+    return caught
+
+
+def moved(tx, step_grads) -> float:
+    """How far one jitted step of ``tx`` moves the parameters, given how it makes the gradients from the state."""
+
+    @jax.jit
+    def step(p, s):
+        updates, s = tx.update(step_grads(p, s), s, p)
+        return optax.apply_updates(p, updates)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return float(optax.tree.norm(jax.tree.map(jnp.subtract, step(PARAMS, tx.init(PARAMS)), PARAMS)))
+
+
+# ---------------------------------------------------------------- unscaled gradients outside the scaler
+
+
+@pytest.mark.parametrize("scale", [2.0**16, 3.0, 2.0**127, 2.0**-130])
+def test_unscale_divides_as_the_scaler_does(scale):
+    """Bit for bit what sgd(1.0) inside the scaler steps with, at scales whose inverse needs the pair form."""
+    tx = jamp.scaler(optax.sgd(1.0))
+    state = jamp.set_scale(tx.init(PARAMS), scale)
+    grads = {
+        "f32": jnp.array([1.5, -1.0, 7e-3]) * scale,
+        "f16": jnp.array([2.0, 0.5], jnp.float16),
+        "bf16": jnp.array([3.0], jnp.bfloat16),
+        "steps": jnp.arange(2),
+    }
+    unscaled = jamp.unscale(grads, state)
+    updates, _ = tx.update(grads, state)
+    for name in ("f32", "f16", "bf16"):
+        assert unscaled[name].dtype == grads[name].dtype
+        np.testing.assert_array_equal(np.asarray(unscaled[name]), -np.asarray(updates[name]))
+    assert unscaled["steps"] is grads["steps"]
+    assert "unscale" in jamp.__all__
+
+
+def test_unscale_is_the_identity_when_disabled_and_refuses_what_it_cannot_do():
+    grads = {"w": jnp.ones(3)}
+    assert jamp.unscale(grads, jamp.scaler(optax.sgd(1.0), enabled=False).init(PARAMS)) is grads
+    state = jamp.scaler(optax.sgd(1.0)).init(PARAMS)
+    with pytest.raises(TypeError, match=r"write jamp\.unscale\(grads, opt_state\)"):
+        jamp.unscale(state, grads)
+    replicated = jax.tree.map(lambda x: jnp.stack([x, x]), state)
+    with pytest.raises(ValueError, match=r"replicated .*inside the pmap or shard_map"):
+        jamp.unscale(grads, replicated)
+
+
+def test_logging_the_unscaled_norm_leaves_the_step_as_it_was():
+    """The documented form: log the norm of jamp.unscale's gradients, hand tx.update the scaled ones."""
+    tx = jamp.scaler(optax.sgd(1.0))
+
+    @jax.jit
+    def step(p, s):
+        grads = scaled_grads(p, s)
+        norm = optax.tree.norm(jamp.unscale(grads, s))
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, norm
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        params, _, norm = step(PARAMS, tx.init(PARAMS))
+    assert caught == []
+    assert float(norm) == pytest.approx(0.27) and float(optax.tree.norm(params["w"])) == pytest.approx(0.27)
+
+
+UNSCALED_TWICE = {
+    "jamp.unscale": lambda g, s: jamp.unscale(g, s),
+    "unscale_and_check, 1/get_scale (docs/torch-amp.md's unscale_ row)": lambda g, s: jamp_kernels.unscale_and_check(
+        g, 1 / jamp.get_scale(s)
+    )[0],
+    "unscale_and_check, inverse": lambda g, s: jamp_kernels.unscale_and_check(
+        g, jamp_kernels.inverse(jamp.get_scale(s))
+    )[0],
+    "divided by get_scale": lambda g, s: jax.tree.map(lambda x: x / jamp.get_scale(s), g),
+    "times 1/get_scale": lambda g, s: jax.tree.map(lambda x: x * (1.0 / jamp.get_scale(s)), g),
+    "times reciprocal": lambda g, s: jax.tree.map(lambda x: x * jnp.reciprocal(jamp.get_scale(s)), g),
+}
+
+
+@pytest.mark.parametrize("unscaled", UNSCALED_TWICE)
+def test_gradients_unscaled_before_tx_update_warn_while_tracing(unscaled):
+    """torch's unscale_ then step: here tx.update divides them again, every step 65536 times too small."""
+    tx = jamp.scaler(optax.sgd(1.0))
+    unscale = UNSCALED_TWICE[unscaled]
+    assert moved(tx, lambda p, s: unscale(scaled_grads(p, s), s)) == pytest.approx(0.27 / 2**16)
+
+    def step(p, s):
+        return tx.update(unscale(scaled_grads(p, s), s), s, p)
+
+    caught = caught_while_tracing(step, PARAMS, tx.init(PARAMS))
+    assert [w.category for w in caught] == [jamp.UnscaledGradientsWarning]
+    message = str(caught[0].message)
+    assert "already divided by the loss scale" in message and "65536 times" in message
+    assert "norm = optax.tree.norm(jamp.unscale(grads, opt_state)); updates, opt_state = tx.update(grads" in message
+    assert caught[0].filename == __file__
+
+
+def test_scaled_gradients_that_meet_the_scale_after_the_backward_pass_do_not_warn():
+    """Multiplied by the scale, clipped by their own norm, or a gradient penalty computed from unscaled inner
+    gradients: nothing divides the gradients tx.update gets by the scale."""
+    tx = jamp.scaler(optax.sgd(1.0))
+
+    def penalized(p, s):
+        inner = jax.tree.map(lambda g: g / jamp.get_scale(s), scaled_grads(p, s))
+        return jamp.scale(loss_fn(p) + optax.tree.norm(inner), s)
+
+    forms = {
+        "scaled": scaled_grads,
+        "unscaled loss times the scale": lambda p, s: jax.tree.map(
+            lambda g: g * jamp.get_scale(s), jax.grad(loss_fn)(p)
+        ),
+        "clipped outside": lambda p, s: optax.clip_by_global_norm(1.0).update(scaled_grads(p, s), None)[0],
+        "gradient penalty": lambda p, s: jax.grad(penalized)(p, s),
+        "accumulated": lambda p, s: jax.tree.map(lambda a, b: (a + b) / 2, scaled_grads(p, s), scaled_grads(p, s)),
+    }
+    for name, grads in forms.items():
+        caught = caught_while_tracing(lambda p, s, grads=grads: tx.update(grads(p, s), s, p), PARAMS, tx.init(PARAMS))
+        assert caught == [], name
