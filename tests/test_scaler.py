@@ -368,6 +368,7 @@ def test_scale_follows_torch_promotion_and_maps_pytrees():
     assert float(tree["a"]) == 4.0 and tree["b"][0].dtype == jnp.float32 and tree["b"][1] is None
 
 
+@pytest.mark.filterwarnings(r"ignore:optax\.MultiSteps\(jamp\.scaler\(\.\.\.\), k\)")  # the nesting under test
 def test_helpers_find_the_state_inside_wrappers():
     inner = jamp.scaler(optax.adam(1e-3), init_scale=8.0)
     wrapped = {

@@ -180,8 +180,9 @@ def test_inside_and_around_multisteps():
         warnings.simplefilter("always")
         for _ in range(8):
             _, state = jax.block_until_ready(step(PARAMS, state, X_NAN, Y))
-    assert [str(w.message)[:45] for w in caught] == ["jamp.scaler: 2 updates in a row were skipped "]
-    assert int(state.inner_opt_state.consecutive_skips) == 4
+    skipped = [str(w.message)[:45] for w in caught if w.category is jamp.SkippedStepsWarning]
+    assert skipped == ["jamp.scaler: 2 updates in a row were skipped "]  # (and the nesting's own warning, see
+    assert int(state.inner_opt_state.consecutive_skips) == 4  # tests/test_scaler_traps.py)
 
 
 def test_in_a_scan_over_steps_and_under_vmap():

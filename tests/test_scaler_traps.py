@@ -1,7 +1,9 @@
 """Traps that change the numbers without a word (issue 36, point 4), and the weak errors beside them.
 
 * gradients unscaled outside the scaler (torch's ``unscale_`` habit) and then handed to ``tx.update``, which
-  divides them again: ``jamp.unscale`` is for logging, and jamp warns when the step does that.
+  divides them again: ``jamp.unscale`` is for logging, and jamp warns when the step does that;
+* transformations chained before or after ``jamp.scaler`` in ``optax.chain`` (a clip of the scaled gradients);
+* ``optax.MultiSteps(jamp.scaler(...), k)``, whose accumulator an overflow poisons on optax 0.2.8.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 
 import jamp
 import jamp_kernels
+from jamp.scaling import nesting
 
 TARGET = jnp.array([0.27, 0.0, 0.0], jnp.float32)
 PARAMS = {"w": jnp.zeros(3, jnp.float32)}  # the gradient is w - TARGET: norm 0.27, under a clip of 1.0
@@ -154,3 +157,97 @@ def test_scaled_gradients_that_meet_the_scale_after_the_backward_pass_do_not_war
     for name, grads in forms.items():
         caught = caught_while_tracing(lambda p, s, grads=grads: tx.update(grads(p, s), s, p), PARAMS, tx.init(PARAMS))
         assert caught == [], name
+
+
+# ---------------------------------------------------------------- chained beside the scaler
+
+
+def test_a_transformation_chained_before_the_scaler_warns_with_the_wrapping_form():
+    """optax.chain(clip, jamp.scaler(opt)) clips the scaled gradients: a 0.27 step becomes 1/65536."""
+    chained = optax.chain(optax.clip_by_global_norm(1.0), jamp.scaler(optax.sgd(1.0)))
+    wrapped = jamp.scaler(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+    assert moved(chained, scaled_grads) == pytest.approx(2.0**-16)
+    assert moved(wrapped, scaled_grads) == pytest.approx(0.27)
+
+    def step(p, s):
+        return chained.update(scaled_grads(p, s), s, p)
+
+    caught = caught_while_tracing(step, PARAMS, chained.init(PARAMS))
+    assert [w.category for w in caught] == [UserWarning] and caught[0].filename == __file__
+    message = str(caught[0].message)
+    assert "optax.clip_by_global_norm(...) chained before it sees the scaled gradients" in message
+    assert "jamp.scaler(optax.clip_by_global_norm(...), opt), where opt is what the scaler wraps now" in message
+    assert (
+        caught_while_tracing(lambda p, s: wrapped.update(scaled_grads(p, s), s, p), PARAMS, wrapped.init(PARAMS)) == []
+    )
+
+
+def test_a_transformation_with_a_state_chained_after_the_scaler_warns():
+    """Adam after the scaler counts the skipped steps and decays its moments on them; a stateless scale does not
+    care, and a user's own tuple of two optimizers' states is no chain."""
+    after = optax.chain(jamp.scaler(optax.clip_by_global_norm(1.0)), optax.adam(1e-3))
+    caught = caught_while_tracing(lambda p, s: after.update(scaled_grads(p, s), s, p), PARAMS, after.init(PARAMS))
+    assert len(caught) == 1 and "chained after it keeps updating its state on the steps the scaler skips" in str(
+        caught[0].message
+    )
+    stateless = optax.chain(jamp.scaler(optax.scale_by_adam()), optax.scale(-1e-3))
+    assert (
+        caught_while_tracing(lambda p, s: stateless.update(scaled_grads(p, s), s, p), PARAMS, stateless.init(PARAMS))
+        == []
+    )
+
+    tx_a, tx_b = jamp.scaler(optax.adam(1e-3)), optax.adam(1e-3)
+
+    def two_optimizers(p, states):
+        grads = jax.grad(lambda q: jamp.scale(loss_fn(q), states))(p)
+        return tx_a.update(grads, states[0], p), tx_b.update(grads, states[1], p)
+
+    assert caught_while_tracing(two_optimizers, PARAMS, (tx_a.init(PARAMS), tx_b.init(PARAMS))) == []
+
+
+# ---------------------------------------------------------------- optax.MultiSteps around the scaler
+
+
+def _multisteps_step(tx):
+    @jax.jit
+    def step(p, s, poison):
+        grads = jax.tree.map(lambda g: jnp.where(poison, jnp.inf, g), scaled_grads(p, s))
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    return step
+
+
+def test_multisteps_around_the_scaler_warns_naming_the_nesting():
+    outer = optax.MultiSteps(jamp.scaler(optax.adam(1e-3)), every_k_schedule=2)
+    state = outer.init(PARAMS)
+    with_scale = caught_while_tracing(scaled_grads, PARAMS, state)
+    with_value_and_grad = caught_while_tracing(lambda p, s: jamp.value_and_grad(loss_fn)(s, p), PARAMS, state)
+    for caught in (with_scale, with_value_and_grad):
+        assert [w.category for w in caught] == [UserWarning]
+        message = str(caught[0].message)
+        assert message.startswith("optax.MultiSteps(jamp.scaler(...), k): MultiSteps accumulates the scaled")
+        assert "jamp.scaler(optax.MultiSteps(opt, every_k_schedule=k))" in message and "0 * inf" in message
+    assert with_scale[0].filename.endswith("test_scaler_traps.py")
+    assert with_value_and_grad[0].filename == __file__
+    for fine in (
+        jamp.scaler(optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2)),
+        optax.MultiSteps(jamp.scaler(optax.adam(1e-3), enabled=False), every_k_schedule=2),
+    ):
+        assert caught_while_tracing(scaled_grads, PARAMS, fine.init(PARAMS)) == []
+
+
+def test_the_multisteps_warning_follows_what_the_installed_optax_does(monkeypatch):
+    """The probe says whether an overflowing window poisons MultiSteps' accumulator; a run of the nesting says
+    the same (optax 0.2.8: the parameters never move again). Where the probe finds it fixed, nothing is said."""
+    outer = optax.MultiSteps(jamp.scaler(optax.sgd(1.0)), every_k_schedule=2)
+    step, params, state = _multisteps_step(outer), PARAMS, outer.init(PARAMS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(8):  # the first micro-batch overflows (a calibration), then three clean windows
+            params, state = step(params, state, i == 0)
+    recovered = float(optax.tree.norm(params["w"])) > 0
+    assert recovered is not nesting.multisteps_keeps_an_overflow()
+
+    monkeypatch.setattr(nesting, "multisteps_keeps_an_overflow", lambda: False)
+    assert caught_while_tracing(scaled_grads, PARAMS, outer.init(PARAMS)) == []

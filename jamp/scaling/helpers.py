@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 import jamp_kernels
+from jamp.scaling import nesting
 from jamp.scaling import state as scaler_state
 from jamp.scaling.state import DisabledScalerState
 
@@ -29,13 +30,22 @@ def _scale_leaf(x: Any, scale: jax.Array) -> jax.Array:
     return out.astype(x.dtype) if x.ndim and jnp.issubdtype(x.dtype, jnp.floating) else out
 
 
-def scale(loss_or_tree: Any, opt_state: Any) -> Any:
-    """The loss (or every leaf of a pytree of outputs) times the current scale; the identity when disabled."""
-    scaler_state.refuse_swapped(opt_state, loss_or_tree, "jamp.scale(opt_state, loss)", "jamp.scale(loss, opt_state)")
+def _scaled(loss_or_tree: Any, opt_state: Any) -> Any:
     st = scaler_state.find(opt_state)
     if isinstance(st, DisabledScalerState):
         return loss_or_tree
     return jax.tree.map(lambda x: _scale_leaf(x, st.scale), loss_or_tree)
+
+
+def scale(loss_or_tree: Any, opt_state: Any) -> Any:
+    """The loss (or every leaf of a pytree of outputs) times the current scale; the identity when disabled.
+
+    Warns when the scaler sits inside ``optax.MultiSteps`` on an optax whose accumulator an overflow poisons
+    (:mod:`jamp.scaling.nesting`)."""
+    scaler_state.refuse_swapped(opt_state, loss_or_tree, "jamp.scale(opt_state, loss)", "jamp.scale(loss, opt_state)")
+    scaled = _scaled(loss_or_tree, opt_state)
+    nesting.check_multisteps(opt_state, stacklevel=2)
+    return scaled
 
 
 def unscale(grads: Any, opt_state: Any) -> Any:
@@ -137,10 +147,12 @@ def value_and_grad(
                 "params, batch), where loss_fn(params, batch) returns the loss"
             )
 
+        nesting.check_multisteps(opt_state, stacklevel=2)
+
         def scaled(*a: Any, **k: Any):
             out = fun(*a, **k)
             loss = out[0] if has_aux else out
-            return scale(loss, opt_state), out
+            return _scaled(loss, opt_state), out
 
         (_, out), grads = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)(*args, **kwargs)
         return out, grads

@@ -8,6 +8,7 @@ advancing their counts and moments.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -19,8 +20,8 @@ import optax
 import jamp_kernels
 from jamp._arguments import checked_bool, checked_transformation
 from jamp._torch_names import ScalerTransformation
+from jamp.scaling import nesting, skip, skip_warning, unscaled_grads
 from jamp.scaling import rule as scale_rule
-from jamp.scaling import skip, skip_warning, unscaled_grads
 from jamp.scaling import state as scaler_state
 from jamp.scaling.state import DisabledScalerState, ScalerState
 
@@ -148,6 +149,15 @@ def scaler(
     Unlike torch, where several optimizers share one GradScaler and each skips on its own overflow, one
     jamp.scaler takes one decision: wrap ``optax.multi_transform`` to skip all groups together, or give
     each group its own scaler (then each has its own scale).
+
+    Put what you would chain with it inside it: ``jamp.scaler(optax.clip_by_global_norm(1.0), optax.adam(1e-3))``
+    clips the unscaled gradients (torch's ``unscale_`` before ``clip_grad_norm_``), while
+    ``optax.chain(optax.clip_by_global_norm(1.0), jamp.scaler(optax.adam(1e-3)))`` clips the scaled ones and
+    cuts every step to almost nothing; what is chained after the scaler with a state advances on skipped steps.
+    Accumulate with ``jamp.scaler(optax.MultiSteps(opt, k))``, not ``optax.MultiSteps(jamp.scaler(opt), k)``,
+    which an overflow stops for good on optax 0.2.8. ``tx.update`` takes the *scaled* gradients: unscale only
+    what you log (``jamp.unscale(grads, opt_state)``). jamp warns about each of these while tracing
+    (:mod:`jamp.scaling.nesting`, :class:`jamp.UnscaledGradientsWarning`).
     """
     inner_tx = _check_inner(() if inner is None else (inner, *more))
     if not checked_bool("enabled", enabled):
@@ -174,6 +184,7 @@ def scaler(
         )
 
     def update(grads: optax.Updates, state: ScalerState, params: optax.Params | None = None, **extra: Any):
+        nesting.check_chain(state, sys._getframe(1), stacklevel=3)
         unscaled_grads.check(grads, state.scale, stacklevel=2)
         found_inf = _combine(jamp_kernels.has_nonfinite(grads, backend=backend), axis_name)
         # == float32(1 / float64(scale)) (tests/test_scaler_torch.py), kept normal above 2**126. XLA fuses
