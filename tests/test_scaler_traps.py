@@ -3,7 +3,8 @@
 * gradients unscaled outside the scaler (torch's ``unscale_`` habit) and then handed to ``tx.update``, which
   divides them again: ``jamp.unscale`` is for logging, and jamp warns when the step does that;
 * transformations chained before or after ``jamp.scaler`` in ``optax.chain`` (a clip of the scaled gradients);
-* ``optax.MultiSteps(jamp.scaler(...), k)``, whose accumulator an overflow poisons on optax 0.2.8.
+* ``optax.MultiSteps(jamp.scaler(...), k)``, whose accumulator an overflow poisons on optax 0.2.8;
+* errors that said what went wrong in JAX's or Python's words instead of what to write.
 """
 
 from __future__ import annotations
@@ -251,3 +252,104 @@ def test_the_multisteps_warning_follows_what_the_installed_optax_does(monkeypatc
 
     monkeypatch.setattr(nesting, "multisteps_keeps_an_overflow", lambda: False)
     assert caught_while_tracing(scaled_grads, PARAMS, outer.init(PARAMS)) == []
+
+
+# ---------------------------------------------------------------- weak errors that now say what to write
+
+TX = jamp.scaler(optax.adam(1e-3))
+STATE = TX.init(PARAMS)
+GRADS = {"w": jnp.ones(3)}
+OFF = jamp.scaler(optax.adam(1e-3), enabled=False)
+
+ERRORS = {
+    "update, params and opt_state swapped": (
+        lambda: TX.update(GRADS, PARAMS, STATE),
+        TypeError,
+        r"^tx\.update\(grads, params, opt_state\): the arguments are swapped; write tx\.update\(grads, opt_state, "
+        r"params\)$",
+    ),
+    "update of a disabled scaler, swapped": (
+        lambda: OFF.update(GRADS, PARAMS, OFF.init(PARAMS)),
+        TypeError,
+        r"write tx\.update\(grads, opt_state, params\)",
+    ),
+    "update given None": (
+        lambda: TX.update(GRADS, None, PARAMS),
+        TypeError,
+        r"opt_state must be the ScalerState that tx\.init\(params\) returned.*got None$",
+    ),
+    "update given the inner state": (lambda: TX.update(GRADS, STATE.inner_state, PARAMS), TypeError, r"got a tuple$"),
+    "update given an outer state": (
+        lambda: TX.update(GRADS, {"opt": STATE}, PARAMS),
+        TypeError,
+        r"got a dict; it holds one at opt_state\['opt'\]: pass that",
+    ),
+    "update given a state restored without a target": (
+        lambda: TX.update(GRADS, STATE._asdict(), PARAMS),
+        ValueError,
+        r"checkpoint restored without a target",
+    ),
+    "init given the opt_state": (
+        lambda: TX.init(STATE),
+        TypeError,
+        r"tx\.init\(params\) got a tree that holds a jamp\.scaler state: it takes the parameters",
+    ),
+    "autocast(loss_fn, jnp.float16)": (
+        lambda: jamp.autocast(loss_fn, jnp.float16),
+        TypeError,
+        r"^jamp\.autocast\(loss_fn, jnp\.float16\): dtype is a keyword argument; .*Write jamp\.autocast\(loss_fn, "
+        r"dtype=jnp\.float16\)\(\*args\), or decorate loss_fn with @jamp\.autocast\(dtype=jnp\.float16\)",
+    ),
+    "autocast(loss_fn, 'gpu')": (
+        lambda: jamp.autocast(loss_fn, "gpu"),
+        TypeError,
+        r"device_type is a keyword argument; .*Write jamp\.autocast\(loss_fn, device_type='gpu'\)\(\*args\)",
+    ),
+    "autocast('cuda', torch's positional dtype)": (
+        lambda: jamp.autocast("cuda", jnp.float16),
+        TypeError,
+        r"device_type, dtype are keywords; .*Write jamp\.autocast\(fn, device_type='cuda', dtype=jnp\.float16\)",
+    ),
+    "@autocast(jnp.bfloat16)": (
+        lambda: jamp.autocast(jnp.bfloat16),
+        TypeError,
+        r"^jamp\.autocast\(jnp\.bfloat16\): dtype is a keyword argument; .*@jamp\.autocast\(dtype=jnp\.bfloat16\)",
+    ),
+    "autocast with an unknown second positional": (
+        lambda: jamp.autocast(loss_fn, 3),
+        TypeError,
+        r"takes one positional argument, the function to transform, and keywords",
+    ),
+    "state_dict inside jit": (
+        lambda: jax.jit(jamp.state_dict)(STATE),
+        TypeError,
+        r"jamp\.state_dict\(opt_state\) was called inside jax\.jit .*returns Python numbers.*on the opt_state the "
+        r"jitted step returned.*jamp\.get_scale\(opt_state\)",
+    ),
+    "load_state_dict of a state dict passed to jit": (
+        lambda: jax.jit(jamp.load_state_dict)(STATE, jamp.state_dict(STATE)),
+        TypeError,
+        r"growth_factor is a traced value \(f(loat)?32\[\]\).*opt_state = jamp\.set_scale\(opt_state, new_scale\)",
+    ),
+    "scale given None": (
+        lambda: jamp.scale(1.0, None),
+        ValueError,
+        r"found no jamp\.scaler state \(opt_state is None\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ERRORS)
+def test_weak_errors_say_what_to_write(case):
+    call, error, match = ERRORS[case]
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_what_still_works_beside_the_new_errors():
+    """load_state_dict inside jit with a state dict it closes over, autocast given a function alone."""
+    sd = {**jamp.state_dict(STATE), "scale": 8.0}
+    assert float(jax.jit(lambda s: jamp.get_scale(jamp.load_state_dict(s, sd)))(STATE)) == 8.0
+    amp = jamp.autocast(loss_fn, dtype=jnp.float16)
+    assert float(amp(PARAMS)) == pytest.approx(float(loss_fn(PARAMS)), rel=1e-3)
+    assert jamp.state_dict(OFF.init(PARAMS)) == {} and jax.jit(jamp.state_dict)(OFF.init(PARAMS)) == {}

@@ -63,6 +63,15 @@ def _is_identity(tx: Any) -> bool:
     return getattr(tx.update, "__code__", None) is _IDENTITY_UPDATE
 
 
+def _refuse_opt_state_as_params(params: Any) -> None:
+    if scaler_state.all_states(params):
+        raise TypeError(
+            "jamp.scaler's tx.init(params) got a tree that holds a jamp.scaler state: it takes the parameters the "
+            "optimizer updates. An opt_state is made once, opt_state = tx.init(params), and then comes back from "
+            "updates, opt_state = tx.update(grads, opt_state, params)"
+        )
+
+
 def _check_inner(inner: tuple) -> optax.GradientTransformationExtraArgs:
     if not inner:
         raise TypeError(
@@ -174,6 +183,7 @@ def scaler(
     skipped_steps = skip_warning.SkipWarning(warn_after_skips, warn_below_scale)
 
     def init(params: optax.Params) -> ScalerState:
+        _refuse_opt_state_as_params(params)
         return ScalerState(
             scale=jnp.asarray(scale0),
             growth_tracker=jnp.zeros((), jnp.int32),
@@ -184,6 +194,7 @@ def scaler(
         )
 
     def update(grads: optax.Updates, state: ScalerState, params: optax.Params | None = None, **extra: Any):
+        scaler_state.refuse_foreign(state, params, ScalerState)
         nesting.check_chain(state, sys._getframe(1), stacklevel=3)
         unscaled_grads.check(grads, state.scale, stacklevel=2)
         found_inf = _combine(jamp_kernels.has_nonfinite(grads, backend=backend), axis_name)
@@ -206,9 +217,11 @@ def _disabled(inner_tx: optax.GradientTransformationExtraArgs) -> ScalerTransfor
     """torch's disabled GradScaler: ``step`` is ``optimizer.step``, nothing else happens."""
 
     def init(params):
+        _refuse_opt_state_as_params(params)
         return DisabledScalerState(inner_tx.init(params))
 
     def update(grads, state, params=None, **extra):
+        scaler_state.refuse_foreign(state, params, DisabledScalerState)
         updates, inner_state = inner_tx.update(grads, state.inner_state, params, **extra)
         return updates, DisabledScalerState(inner_state)
 
