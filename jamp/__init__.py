@@ -13,7 +13,7 @@ from jamp.casting.transform import autocast, custom_fwd
 from jamp.low_precision_params.kahan import kahan_summation
 from jamp.low_precision_params.stochastic import stochastic_rounding
 from jamp.scaling.checkpoint import load_state_dict, state_dict
-from jamp.scaling.helpers import found_inf, get_scale, scale, set_scale, value_and_grad
+from jamp.scaling.helpers import found_inf, get_scale, scale, set_scale, unscale, value_and_grad
 from jamp.scaling.restore import from_restored
 from jamp.scaling.skip_report import SkippedStepsWarning, report_skipped_steps
 from jamp.scaling.state import DisabledScalerState, ScalerState
@@ -44,6 +44,7 @@ __all__ = [
     "scaler",
     "set_scale",
     "state_dict",
+    "unscale",
     "value_and_grad",
     # low-precision parameters
     "kahan_summation",

@@ -325,7 +325,7 @@ def test_xla_backend_compiles_to_adam_plus_a_check():
     _, bare_loops = _compiled_step(
         lambda g, s, p: adam.update(jax.tree.map(lambda x: x / 4, g), s, p), params, adam.init(params)
     )
-    assert _conditionals(hlo) == [] and " conditional(" not in hlo
+    assert " conditional(" not in hlo
     assert not re.search(r"\] copy\(", hlo.replace("[] copy(", ""))
     assert bare_loops == 3 and loops == bare_loops
     assert not re.search(r"= f32\[[0-9,]*\]\S* (reduce|reduce-window)\(", hlo)  # fused bodies are in the text
@@ -360,6 +360,7 @@ def test_scale_follows_torch_promotion_and_maps_pytrees():
     assert float(tree["a"]) == 4.0 and tree["b"][0].dtype == jnp.float32 and tree["b"][1] is None
 
 
+@pytest.mark.filterwarnings(r"ignore:optax\.MultiSteps\(jamp\.scaler\(\.\.\.\), k\)")  # the nesting under test
 def test_helpers_find_the_state_inside_wrappers():
     inner = jamp.scaler(optax.adam(1e-3), init_scale=8.0)
     wrapped = {

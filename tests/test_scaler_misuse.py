@@ -16,7 +16,6 @@ K1, K2 = jax.random.split(jax.random.key(0))
 PARAMS = {"w1": jax.random.normal(K1, (8, 16)) / 3, "w2": jax.random.normal(K2, (16, 1)) / 4}
 X = jax.random.normal(jax.random.key(1), (16, 8))
 Y = jnp.sin(X.sum(-1, keepdims=True))
-X_NAN = X.at[3, 5].set(jnp.nan)  # one NaN in the data
 
 
 def loss_fn(p, x, y):
@@ -24,27 +23,6 @@ def loss_fn(p, x, y):
 
 
 amp_loss = jamp.autocast(loss_fn, device_type="gpu")  # float16 matmuls
-
-
-def train_step(tx):
-    @jax.jit
-    def step(params, opt_state, x, y):
-        grads = jax.grad(lambda p: jamp.scale(amp_loss(p, x, y), opt_state))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return step
-
-
-def train(step, params, opt_state, batches):
-    """Runs the steps; returns the final params and state and, per step, how many warnings had come by then."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        seen = []
-        for x in batches:
-            params, opt_state = jax.block_until_ready(step(params, opt_state, x, Y))  # the host warns as it runs
-            seen.append(len([w for w in caught if w.category is jamp.SkippedStepsWarning]))
-    return params, opt_state, seen, [str(w.message) for w in caught if w.category is jamp.SkippedStepsWarning]
 
 
 # ---------------------------------------------------------------- gradients of the unscaled loss

@@ -121,6 +121,7 @@ def test_gradient_penalty():
     chex.assert_trees_all_close(scaled, control, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.filterwarnings(r"ignore:optax\.MultiSteps\(jamp\.scaler\(\.\.\.\), k\)")  # the nesting under test
 def test_accumulation_with_multisteps():
     """test_grad_scaling_accumulation: 2 micro-batches per step, 4 iterations, no inf -> 2 updates -> 512."""
     tx = optax.MultiSteps(scaling_tx(optax.sgd(1.0)), every_k_schedule=2)
@@ -201,6 +202,7 @@ def test_accumulation_by_summing_scaled_grads_skips_the_whole_window():
     assert np.all(np.isfinite(params["l1"]["w"])) and not np.array_equal(params["l1"]["w"], PARAMS["l1"]["w"])
 
 
+@pytest.mark.filterwarnings(r"ignore:optax\.MultiSteps\(jamp\.scaler\(\.\.\.\), k\)")  # the nesting under test
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,

@@ -110,9 +110,9 @@ def test_sparse_skips_are_reported_even_when_the_host_looks_only_later(monkeypat
     for x in [X_NAN, X, X] * 4:
         _, state = step(PARAMS, state, x, Y)
     monkeypatch.undo()
-    jax.block_until_ready(state)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        jax.block_until_ready(state)  # a flatten: the host may look here already
         jamp.report_skipped_steps({"opt": state})
         jamp.report_skipped_steps(state)  # nothing new: said once
     assert len(caught) == 1 and int(state.skip_episodes) == 1
@@ -235,9 +235,9 @@ def test_in_a_scan_over_steps_and_under_vmap(every_look_reads):
 
         return jax.lax.scan(body, state, None, length=5)[0]
 
-    state = jax.block_until_ready(five_steps(jax.vmap(tx.init)(params)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        state = jax.block_until_ready(five_steps(jax.vmap(tx.init)(params)))  # its flatten may be the look
         jax.tree.leaves(state)
     assert [int(n) for n in state.consecutive_skips] == [0, 5, 0]
     assert [int(n) for n in state.skip_episodes] == [0, 1, 0]

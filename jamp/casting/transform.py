@@ -486,6 +486,7 @@ class AutocastSpec:
         return self._scopes.stack.pop().__exit__(*exc)
 
 
+@torch_names.keywords_only
 def autocast(
     fun: Callable | None = None,
     /,
@@ -526,7 +527,7 @@ def autocast(
     if fun is None:
         return AutocastSpec(options)
     if not callable(fun):
-        raise torch_names.autocast_needs_a_function(fun, options, _DEFAULT_OPTIONS)
+        raise torch_names.autocast_positional((fun,), options, _DEFAULT_OPTIONS)
     from jamp.casting import equinox_module, nnx_module  # they subclass Autocast
 
     for bound_module, module_autocast in (

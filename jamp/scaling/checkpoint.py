@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -48,6 +49,14 @@ def state_dict(opt_state: Any) -> dict[str, float | int]:
     st = scaler_state.find(opt_state)
     if isinstance(st, DisabledScalerState):
         return {}
+    if any(isinstance(getattr(st, field), jax.core.Tracer) for field in _FIELDS):
+        raise TypeError(
+            "jamp.state_dict(opt_state) was called inside jax.jit (or another JAX transformation): it reads the "
+            "scaler's values to the host and returns Python numbers, as torch's scaler.state_dict() does, and a "
+            "traced value has none yet. Call it outside, on the opt_state the jitted step returned: "
+            "sd = jamp.state_dict(opt_state). Inside the step, jamp.get_scale(opt_state) and "
+            "jamp.found_inf(opt_state) give the scale and the skip flag as traced arrays"
+        )
     v = {key: _one_value(st, key, field) for key, field in zip(KEYS, _FIELDS)}
     return {
         "scale": float(v["scale"]),

@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import jamp_kernels
+from jamp.scaling import nesting
 from jamp.scaling import state as scaler_state
 from jamp.scaling.state import DisabledScalerState
 
@@ -28,13 +30,66 @@ def _scale_leaf(x: Any, scale: jax.Array) -> jax.Array:
     return out.astype(x.dtype) if x.ndim and jnp.issubdtype(x.dtype, jnp.floating) else out
 
 
-def scale(loss_or_tree: Any, opt_state: Any) -> Any:
-    """The loss (or every leaf of a pytree of outputs) times the current scale; the identity when disabled."""
-    scaler_state.refuse_swapped(opt_state, loss_or_tree, "jamp.scale(opt_state, loss)", "jamp.scale(loss, opt_state)")
+def _scaled(loss_or_tree: Any, opt_state: Any) -> Any:
     st = scaler_state.find(opt_state)
     if isinstance(st, DisabledScalerState):
         return loss_or_tree
     return jax.tree.map(lambda x: _scale_leaf(x, st.scale), loss_or_tree)
+
+
+def scale(loss_or_tree: Any, opt_state: Any) -> Any:
+    """The loss (or every leaf of a pytree of outputs) times the current scale; the identity when disabled.
+
+    Warns when the scaler sits inside ``optax.MultiSteps`` on an optax whose accumulator an overflow poisons
+    (:mod:`jamp.scaling.nesting`)."""
+    scaler_state.refuse_swapped(opt_state, loss_or_tree, "jamp.scale(opt_state, loss)", "jamp.scale(loss, opt_state)")
+    scaled = _scaled(loss_or_tree, opt_state)
+    nesting.check_multisteps(opt_state, stacklevel=2)
+    return scaled
+
+
+def unscale(grads: Any, opt_state: Any) -> Any:
+    """The scaled gradients divided by the scale that produced them, as ``tx.update`` divides them: for what you
+    log or inspect (a gradient norm), not for ``tx.update``.
+
+    torch's ``scaler.unscale_(optimizer)`` divides the gradients in place and its ``step`` then skips the
+    division; ``tx.update`` always divides what it gets, so hand it the *scaled* gradients: gradients passed
+    through ``jamp.unscale`` first would be divided twice (each step 65536 times too small at the default
+    scale; jamp warns with :class:`jamp.UnscaledGradientsWarning` when it sees that in the jitted step). To
+    clip the unscaled gradients, put the clip inside the scaler instead:
+    ``jamp.scaler(optax.clip_by_global_norm(1.0), optax.adam(1e-3))``.
+
+    Args:
+      grads: the gradients of ``jamp.scale(loss, opt_state)``, any pytree.
+      opt_state: the optimizer state whose scale multiplied the loss (the one given to ``jamp.scale``).
+
+    Returns:
+      ``grads`` with every floating leaf times ``float32(1/scale)`` (computed without overflow or flush, as
+      :func:`jamp_kernels.inverse`) in float32, float64 leaves in float64, rounded once to the leaf's dtype;
+      integer leaves as they are. ``grads`` itself when the scaler is disabled. On a step whose scaled
+      gradients overflowed they hold inf/NaN, and ``tx.update`` skips that step.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jamp
+      >>> params = {"w": jnp.ones(3)}
+      >>> tx = jamp.scaler(optax.sgd(0.1))
+      >>> opt_state = tx.init(params)
+      >>> grads = jax.grad(lambda p: jamp.scale(jnp.sum(p["w"] ** 2), opt_state))(params)
+      >>> print(optax.tree.norm(jamp.unscale(grads, opt_state)))  # log this
+      3.4641016
+      >>> updates, opt_state = tx.update(grads, opt_state, params)  # the scaled grads
+    """
+    scaler_state.refuse_swapped(opt_state, grads, "jamp.unscale(opt_state, grads)", "jamp.unscale(grads, opt_state)")
+    st = scaler_state.find(opt_state)
+    if isinstance(st, DisabledScalerState):
+        return grads
+    if jnp.ndim(st.scale):
+        raise ValueError(
+            f"jamp.unscale: this scaler state is replicated (its scale has shape {jnp.shape(st.scale)}, one per "
+            "replica); call jamp.unscale inside the pmap or shard_map that runs the step, where each replica "
+            "holds one scale"
+        )
+    return jamp_kernels.unscale(grads, jamp_kernels.inverse(st.scale))
 
 
 def get_scale(opt_state: Any) -> jax.Array:
@@ -92,10 +147,12 @@ def value_and_grad(
                 "params, batch), where loss_fn(params, batch) returns the loss"
             )
 
+        nesting.check_multisteps(opt_state, stacklevel=2)
+
         def scaled(*a: Any, **k: Any):
             out = fun(*a, **k)
             loss = out[0] if has_aux else out
-            return scale(loss, opt_state), out
+            return _scaled(loss, opt_state), out
 
         (_, out), grads = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)(*args, **kwargs)
         return out, grads

@@ -57,11 +57,26 @@ class DisabledScalerState(NamedTuple):
     inner_state: optax.OptState
 
 
+def refuse_traced(name: str, value: Any) -> None:
+    """A TypeError when ``value`` is a tracer: the hyperparameters are validated as Python numbers on the host,
+    so they cannot come from inside ``jax.jit`` (``jamp.load_state_dict`` of a state dict passed to a jitted
+    function)."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} is a traced value ({value.aval.str_short()}): jamp checks it as a Python number on the host, "
+            "so jamp.load_state_dict and jamp.scaler cannot take it from inside jax.jit. Call them outside jit "
+            "with Python numbers (the dict jamp.state_dict returns), or close over the dict instead of passing it "
+            "as an argument; to set the scale to a traced value inside a step, write "
+            "opt_state = jamp.set_scale(opt_state, new_scale)"
+        )
+
+
 def real(name: str, value: Any) -> float:
-    """``value`` as a Python float; TypeError naming ``name`` for bools and non-numbers.
+    """``value`` as a Python float; TypeError naming ``name`` for bools, tracers and non-numbers.
 
     An int too large for a float (``10**400``) becomes +-inf, so the caller's range check names it.
     """
+    refuse_traced(name, value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {shown(value)} of type {type(value).__name__}")
     try:
@@ -100,6 +115,7 @@ def checked_float(name: str, value: Any) -> float:
 
 def checked_int(name: str, value: Any, low: int) -> int:
     """``value`` as an int in ``[low, 2**31 - 1]`` (it is stored as int32), else TypeError/ValueError."""
+    refuse_traced(name, value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int >= {low}, got {shown(value)} of type {type(value).__name__}")
     if not low <= int(value) <= _INT32_MAX:
@@ -172,7 +188,8 @@ def find(opt_state: Any) -> ScalerState | DisabledScalerState:
             "checkpoint saved by a jamp without ScalerState.consecutive_skips, .warned, .skip_episodes or .scaler_id (a target cannot "
             "restore those)"
         )
-    what = "no jamp.scaler state" if not found else f"{len(found)} jamp.scaler states"
+    given = "None" if opt_state is None else f"a {type(opt_state).__name__}"
+    what = f"no jamp.scaler state (opt_state is {given})" if not found else f"{len(found)} jamp.scaler states"
     raise ValueError(
         f"expected exactly one jamp.scaler state in opt_state, found {what}; pass the optimizer state "
         "returned by jamp.scaler(...).init/update, or the part of it that holds the scaler you mean"
@@ -184,6 +201,25 @@ def refuse_swapped(opt_state: Any, other: Any, call: str, form: str) -> None:
     arguments of ``call`` came in the wrong order."""
     if all_states(other) and not all_states(opt_state) and not restored_without_target(opt_state):
         raise TypeError(f"{call}: the arguments are swapped; write {form}")
+
+
+def refuse_foreign(state: Any, params: Any, kind: type) -> None:
+    """A TypeError that says what to pass when ``tx.update`` got, as its state, something other than the
+    ``kind`` of state its ``init`` makes: the arguments swapped, an outer opt_state, a checkpoint restored
+    without a target, another transformation's state."""
+    if isinstance(state, kind):
+        return
+    call = "tx.update(grads, opt_state, params)"
+    refuse_swapped(state, params, "tx.update(grads, params, opt_state)", call)
+    if restored_without_target(state) and not all_states(state):
+        find(state)  # the ValueError that shows how to restore with a target
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_scaler_state)[0]
+    where = [jax.tree_util.keystr(p) for p, x in flat if is_scaler_state(x)]
+    hint = f"; it holds one at opt_state{where[0]}: pass that" if where else ""
+    raise TypeError(
+        f"jamp.scaler's {call}: opt_state must be the {kind.__name__} that tx.init(params) returned, or the one "
+        f"the last tx.update returned, got {'None' if state is None else 'a ' + type(state).__name__}{hint}"
+    )
 
 
 def replace(opt_state: Any, new: ScalerState | DisabledScalerState) -> Any:

@@ -8,6 +8,7 @@ advancing their counts and moments.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -19,8 +20,8 @@ import optax
 import jamp_kernels
 from jamp._arguments import checked_bool, checked_transformation
 from jamp._torch_names import ScalerTransformation
+from jamp.scaling import nesting, skip, skip_episodes, skip_report, unscaled_grads
 from jamp.scaling import rule as scale_rule
-from jamp.scaling import skip, skip_episodes, skip_report, unscaled_grads
 from jamp.scaling import state as scaler_state
 from jamp.scaling.state import DisabledScalerState, ScalerState
 
@@ -60,6 +61,15 @@ _IDENTITY_UPDATE = optax.identity().update.__code__  # every optax.identity() sh
 
 def _is_identity(tx: Any) -> bool:
     return getattr(tx.update, "__code__", None) is _IDENTITY_UPDATE
+
+
+def _refuse_opt_state_as_params(params: Any) -> None:
+    if scaler_state.all_states(params):
+        raise TypeError(
+            "jamp.scaler's tx.init(params) got a tree that holds a jamp.scaler state: it takes the parameters the "
+            "optimizer updates. An opt_state is made once, opt_state = tx.init(params), and then comes back from "
+            "updates, opt_state = tx.update(grads, opt_state, params)"
+        )
 
 
 def _check_inner(inner: tuple) -> optax.GradientTransformationExtraArgs:
@@ -149,6 +159,15 @@ def scaler(
     Unlike torch, where several optimizers share one GradScaler and each skips on its own overflow, one
     jamp.scaler takes one decision: wrap ``optax.multi_transform`` to skip all groups together, or give
     each group its own scaler (then each has its own scale).
+
+    Put what you would chain with it inside it: ``jamp.scaler(optax.clip_by_global_norm(1.0), optax.adam(1e-3))``
+    clips the unscaled gradients (torch's ``unscale_`` before ``clip_grad_norm_``), while
+    ``optax.chain(optax.clip_by_global_norm(1.0), jamp.scaler(optax.adam(1e-3)))`` clips the scaled ones and
+    cuts every step to almost nothing; what is chained after the scaler with a state advances on skipped steps.
+    Accumulate with ``jamp.scaler(optax.MultiSteps(opt, k))``, not ``optax.MultiSteps(jamp.scaler(opt), k)``,
+    which an overflow stops for good on optax 0.2.8. ``tx.update`` takes the *scaled* gradients: unscale only
+    what you log (``jamp.unscale(grads, opt_state)``). jamp warns about each of these while tracing
+    (:mod:`jamp.scaling.nesting`, :class:`jamp.UnscaledGradientsWarning`).
     """
     inner_tx = _check_inner(() if inner is None else (inner, *more))
     if not checked_bool("enabled", enabled):
@@ -166,6 +185,7 @@ def scaler(
     reporter = skip_report.Reporter.new(limits)
 
     def init(params: optax.Params) -> ScalerState:
+        _refuse_opt_state_as_params(params)
         return ScalerState(
             scale=jnp.asarray(scale0),
             growth_tracker=jnp.zeros((), jnp.int32),
@@ -177,6 +197,8 @@ def scaler(
         )
 
     def update(grads: optax.Updates, state: ScalerState, params: optax.Params | None = None, **extra: Any):
+        scaler_state.refuse_foreign(state, params, ScalerState)
+        nesting.check_chain(state, sys._getframe(1), stacklevel=3)
         unscaled_grads.check(grads, state.scale, stacklevel=2)
         found_inf = _combine(jamp_kernels.has_nonfinite(grads, backend=backend), axis_name)
         # == float32(1 / float64(scale)) (tests/test_scaler_torch.py), kept normal above 2**126. XLA fuses
@@ -198,9 +220,11 @@ def _disabled(inner_tx: optax.GradientTransformationExtraArgs) -> ScalerTransfor
     """torch's disabled GradScaler: ``step`` is ``optimizer.step``, nothing else happens."""
 
     def init(params):
+        _refuse_opt_state_as_params(params)
         return DisabledScalerState(inner_tx.init(params))
 
     def update(grads, state, params=None, **extra):
+        scaler_state.refuse_foreign(state, params, DisabledScalerState)
         updates, inner_state = inner_tx.update(grads, state.inner_state, params, **extra)
         return updates, DisabledScalerState(inner_state)
 

@@ -17,6 +17,13 @@ the gradients are recorded in that trace, and gradients of a scaled loss depend 
 
 Gradients computed by another jitted function, or eagerly, are inputs of the trace: nothing is claimed then,
 nor where the graph is too large to walk (:data:`_MOST_TRACERS`).
+
+The other way round, scaled gradients already divided by the scale (``jamp.unscale``, ``jamp_kernels.unscale``
+or ``unscale_and_check``, ``g / jamp.get_scale(opt_state)``, torch's ``unscale_`` habit) are divided again
+by ``tx.update``. Those depend on the scale twice: through the backward pass, and through an equation after it
+that reads the scale's inverse. So jamp also warns when a gradient was computed, by equations that no backward
+pass made, from a value that divides by the scale ``tx.update`` reads (a ``div`` by it, a negative power of
+it: :data:`_INVERTING`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ _MOST_TRACERS = 2_000_000  # the walk gives up (and claims nothing) past this ma
 
 
 class UnscaledGradientsWarning(UserWarning):
-    """``tx.update`` of a ``jamp.scaler`` got gradients of a loss that ``jamp.scale`` did not multiply.
+    """``tx.update`` of a ``jamp.scaler`` got gradients that are not scaled: of a loss that ``jamp.scale`` did not
+    multiply, or already divided by the scale (``jamp.unscale``: for logging, not for ``tx.update``).
 
     Filter it with ``warnings.filterwarnings("ignore", category=jamp.UnscaledGradientsWarning)``.
     """
@@ -86,8 +94,53 @@ def differentiated_without(grads: Any, scale: Any) -> bool:
     return backward
 
 
+# primitive -> the positions of the inputs it divides by (given the equation: integer_pow depends on its power)
+_INVERTING = {
+    "div": lambda eqn: (1,),
+    "integer_pow": lambda eqn: (0,) if eqn.params["y"] < 0 else (),
+    "rsqrt": lambda eqn: (0,),
+}
+
+
+def _no_inputs(eqn: Any) -> tuple:
+    return ()
+
+
+def divided_by(grads: Any, scale: Any) -> bool:
+    """True when a gradient was computed, after the backward pass (by equations no backward pass made), from a
+    value that divides by ``scale`` (or by what it was computed from). False whenever that cannot be known."""
+    scale = jc.unbatched(scale)
+    trace = jc.jaxpr_trace_of(scale)
+    if trace is None:
+        return False
+    leaves = [g for g in map(jc.unbatched, jax.tree.leaves(grads)) if jc.jaxpr_trace_of(g) is trace]
+    scale_sources = _sources(scale) if leaves else None
+    if scale_sources is None:
+        return False
+    seen: set[tuple[int, bool]] = set()
+    stack = [(g, False) for g in leaves]  # (tracer, whether the path from a gradient to it divided by it)
+    while stack:
+        t, inverted = stack.pop()
+        if (id(t), inverted) in seen:
+            continue
+        if len(seen) >= _MOST_TRACERS:
+            return False
+        seen.add((id(t), inverted))
+        if id(t) in scale_sources:
+            if inverted:
+                return True
+            continue
+        eqn = jc.producer(t)
+        if eqn is None or jc.made_by_backward_pass(eqn):
+            continue
+        dividing = _INVERTING.get(eqn.primitive.name, _no_inputs)(eqn)
+        stack.extend((x, inverted or i in dividing) for i, x in enumerate(jc.producer_inputs(eqn)))
+    return False
+
+
 def check(grads: Any, scale: Any, stacklevel: int) -> None:
-    """Warn (at trace time) when :func:`differentiated_without` holds for the gradients ``tx.update`` got."""
+    """Warn (at trace time) when :func:`differentiated_without` or :func:`divided_by` holds for the gradients
+    ``tx.update`` got."""
     if differentiated_without(grads, scale):
         warnings.warn(
             "jamp.scaler: tx.update got gradients that were differentiated in this jitted function without "
@@ -96,6 +149,18 @@ def check(grads: Any, scale: Any, stacklevel: int) -> None:
             "scaled loss with the opt_state you pass to tx.update: grads = jax.grad(lambda p: "
             "jamp.scale(loss_fn(p, batch), opt_state))(params), with the loss as auxiliary output if you "
             "log it.",
+            UnscaledGradientsWarning,
+            stacklevel=stacklevel + 1,
+        )
+    elif divided_by(grads, scale):
+        warnings.warn(
+            "jamp.scaler: tx.update got gradients that were already divided by the loss scale in this jitted "
+            "function (jamp.unscale, jamp_kernels.unscale_and_check, g / jamp.get_scale(opt_state)): tx.update "
+            "unscales the gradients it gets, so it divides them again and every update comes out that much too "
+            "small (65536 times at the default init_scale). Hand tx.update the scaled gradients, and unscale only "
+            "what you log: norm = optax.tree.norm(jamp.unscale(grads, opt_state)); updates, opt_state = "
+            "tx.update(grads, opt_state, params). To clip, put the clip inside the scaler: "
+            "jamp.scaler(optax.clip_by_global_norm(1.0), optax.adam(1e-3)).",
             UnscaledGradientsWarning,
             stacklevel=stacklevel + 1,
         )
