@@ -11,7 +11,7 @@ float32) plus a rule keeping the ``lm_head`` projection in float32, with ``jamp.
 scale. It prints both runs' training and held-out losses and the op mix ``jamp.explain`` reports for the
 forward pass. Float16 is emulated on a CPU, so the AMP run gains no speed here; the dtype decisions are
 the ones a GPU gets. The two runs' training losses differ by less than 0.01 nats at every step and their
-held-out losses by less than 0.005 nats/byte (tests/test_examples.py checks both at 60 steps; at the
+held-out losses by less than 0.005 nats/byte (tests/integration/test_examples.py checks both at 60 steps; at the
 default 300 steps we measured 1.8769 and 1.8768 nats/byte). It takes about three minutes on a
 laptop CPU and prints its progress every fifth of the run. ``--amp bf16`` runs the same GPU op lists in
 bfloat16 and ``--amp fp8`` under the ``"fp8"`` policy (float8 matmuls), both without a loss scale.

@@ -3,7 +3,7 @@
 jaxpr internals (primitive names, parameter names, where helpers live) change between JAX
 releases. pyproject.toml states the supported range (jax 0.10.2 through 0.12.x, each tested in CI);
 where releases differ, the choice is made here by feature detection (an import that moved, an
-attribute that appeared), never by comparing version strings. tests/test_oplists.py names the
+attribute that appeared), never by comparing version strings. tests/casting/test_oplists.py names the
 primitive and parameter when a new release moves something read here.
 """
 
@@ -156,7 +156,7 @@ def jaxpr_trace_of(x) -> Any | None:
 def producer(x) -> Any | None:
     """The equation that computed the jaxpr tracer ``x`` in the trace under way (its ``in_tracers`` are the tracers
     it read; jax 0.10 through 0.12 record it as ``tracer.parent``), or None for an input of the trace, a constant,
-    or a JAX whose tracers do not record it (the callers then claim nothing: tests/test_scaler_misuse.py fails)."""
+    or a JAX whose tracers do not record it (the callers then claim nothing: tests/scaling/test_scaler_misuse.py fails)."""
     eqn = getattr(x, "parent", None)
     return eqn if all(hasattr(eqn, a) for a in ("in_tracers", "params", "source_info")) else None
 

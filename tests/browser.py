@@ -2,7 +2,7 @@
 
 Only the standard library: ``chromium --remote-debugging-pipe`` reads protocol commands from file
 descriptor 3 and writes replies and events to descriptor 4, each message a JSON object ended by a NUL
-byte. One browser process serves every page (tests/test_docs_browser.py visits each page of the site at
+byte. One browser process serves every page (tests/integration/test_docs_browser.py visits each page of the site at
 two widths in one session).
 """
 

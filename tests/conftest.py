@@ -28,7 +28,7 @@ def compilations():
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Print the coverage sweep's pass rate (tests/test_sweep.py)."""
+    """Print the coverage sweep's pass rate (tests/casting/test_sweep.py)."""
     stats = terminalreporter.stats
     outcome_of = {"passed": "passed", "failed": "failed", "xfailed": "known limitation"}
     counts = {

@@ -16,7 +16,7 @@ that starts with ``#`` is a comment.
 under a row grows with the labels of the arrows that cross it. An arrow between boxes of one column
 or one row is straight, with its label beside (vertical) or above (horizontal) it; any other turns
 one corner, avoiding boxes. Text is set in the theme's monospace font, whose characters are
-``CHAR_WIDTH`` of the font size wide, so the boxes are sized without measuring (tests/test_docs_browser.py
+``CHAR_WIDTH`` of the font size wide, so the boxes are sized without measuring (tests/integration/test_docs_browser.py
 checks in a browser that every text fits its box). docs/stylesheets/extra.css colours it for both
 palettes.
 """

@@ -17,7 +17,7 @@ Two mechanisms, both used by ``mkdocs.yml`` (``hooks: [docs/hooks/gen_op_referen
 * ``on_page_content`` drops the Sphinx roles (``:func:``, ``:mod:``) that jamp's docstrings use
   in front of code spans, which markdown would show literally.
 
-``tests/test_docs.py`` imports this module and checks the generated tables against the data.
+``tests/integration/test_docs.py`` imports this module and checks the generated tables against the data.
 """
 
 from __future__ import annotations

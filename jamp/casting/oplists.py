@@ -267,7 +267,7 @@ JIT_RULES: dict[str, tuple[tuple[str, str, str], ...]] = {
 # CUDA list; flax builds them from primitives under a module scope named after the class, Equinox
 # under a name scope "eqx.nn.<class>". torch's CPU list leaves the norms alone, but its CPU norm kernels
 # compute in float32 and round once; flax's and Equinox's norms are a dozen primitives that would each
-# round in bfloat16 (1.36-1.47x the hand-cast error in tests/test_accuracy.py, where the libraries upcast
+# round in bfloat16 (1.36-1.47x the hand-cast error in tests/casting/test_accuracy.py, where the libraries upcast
 # low-precision inputs themselves), so they run in float32 on both lists.
 _NORM_SCOPES = (
     (

@@ -5,7 +5,7 @@ that lands ``optax.apply_updates`` exactly on a chosen value.
 promotes the sum to float32, so it is one float32 add rounded once to bfloat16. With ``u = new - old`` in
 float32 that add gives ``new`` itself, which the cast keeps, whenever ``new - old`` is exact in float32:
 for every step that does not shrink a parameter by more than 2**15 (bfloat16) or 2**12 (float16) without
-reaching zero (tests/test_low_precision_params.py draws such steps from every binade). A larger shrink
+reaching zero (tests/low_precision_params/test_low_precision_params.py draws such steps from every binade). A larger shrink
 lands within one float32 ulp of the old value, as a float32 master's update would.
 """
 

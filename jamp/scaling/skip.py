@@ -20,7 +20,7 @@ Scalar state leaves (a step count) are the exception: later uses read them as co
 returned leaf is selected. A selected count would make Adam's bias correction, and with it every
 parameter's loop, wait for the finite check; XLA:CPU then ran all moment loops before any parameter
 loop, and each parameter loop read its moments back from memory instead of cache (seen once, on 50
-vectors of 1M with cold caches; tests/test_scaler_skip.py pins the structure, not the time). What the
+vectors of 1M with cold caches; tests/scaling/test_scaler_skip.py pins the structure, not the time). What the
 computed count feeds is an update, zeroed on a skipped step, or a state leaf, selected.
 """
 

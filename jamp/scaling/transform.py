@@ -201,7 +201,7 @@ def scaler(
         nesting.check_chain(state, sys._getframe(1), stacklevel=3)
         unscaled_grads.check(grads, state.scale, stacklevel=2)
         found_inf = _combine(jamp_kernels.has_nonfinite(grads, backend=backend), axis_name)
-        # == float32(1 / float64(scale)) (tests/test_scaler_torch.py), kept normal above 2**126. XLA fuses
+        # == float32(1 / float64(scale)) (tests/scaling/test_scaler_torch.py), kept normal above 2**126. XLA fuses
         # the unscale into inner's loops; zeroing a skipped step's grads means the computation that is
         # discarded never sees inf/NaN (an SVD of an inf matrix may never return).
         unscaled = jamp_kernels.unscale(grads, jamp_kernels.inverse(state.scale))

@@ -1,4 +1,4 @@
-// What a reader of this page cannot see; tests/test_docs_browser.py evaluates this in every page of the
+// What a reader of this page cannot see; tests/integration/test_docs_browser.py evaluates this in every page of the
 // built site at 390 and 1280 CSS pixels. Returns a list of {kind, px, where, what}; the page reads whole
 // when it is empty. `wide` is true at 1280 px, where nothing may hide behind a scrollbar either.
 (wide) => {

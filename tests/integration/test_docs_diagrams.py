@@ -1,6 +1,6 @@
 """docs/hooks/diagrams.py: the ```diagram blocks of the docs become SVG at build time, laid out without overlaps.
 
-The browser test (tests/test_docs_browser.py) checks the drawn result: every text inside its box at
+The browser test (tests/integration/test_docs_browser.py) checks the drawn result: every text inside its box at
 390 and 1280 px. These checks need no browser.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 spec = importlib.util.spec_from_file_location("diagrams", DOCS / "hooks" / "diagrams.py")
 diagrams = importlib.util.module_from_spec(spec)
 sys.modules["diagrams"] = diagrams  # dataclasses look their module up

@@ -14,7 +14,7 @@ import sys
 
 import jax
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 JAX_PACKAGES = ("jax", "jaxlib", "jax-cuda", "flax", "optax", "chex", "orbax")
 
 

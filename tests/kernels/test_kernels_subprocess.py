@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run_child(code: str, **env: str) -> dict:

@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.examples
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def run_example(name: str, *args: str) -> list[str]:

@@ -26,8 +26,8 @@ from pathlib import Path
 import browser
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PROBE = (Path(__file__).parent / "data" / "page_probe.js").read_text()
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = (Path(__file__).resolve().parents[1] / "data" / "page_probe.js").read_text()
 WIDTHS = {390: 844, 1280: 900}  # CSS pixels: a phone (iPhone 12 to 15) and a laptop, with their heights
 LOCAL_SCHEMES = ("data:", "blob:", "about:")
 

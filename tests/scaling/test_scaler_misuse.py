@@ -1,5 +1,5 @@
 """The scaler says so when it is misused: gradients of the unscaled loss (jamp.UnscaledGradientsWarning), a scaler
-around nothing, jamp.scale's arguments swapped. Runs of skipped steps: tests/test_skip_report.py."""
+around nothing, jamp.scale's arguments swapped. Runs of skipped steps: tests/scaling/test_skip_report.py."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from helpers import run_subprocess
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.multidevice
 
 EIGHT_DEVICES = r"""

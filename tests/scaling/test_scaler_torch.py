@@ -27,7 +27,9 @@ import jamp_kernels
 from jamp.scaling import exact_mul
 from jamp.scaling import rule as scaler_rule
 
-GOLDENS = json.loads((pathlib.Path(__file__).parent / "data" / "torch_grad_scaler_goldens.json").read_text())
+GOLDENS = json.loads(
+    (pathlib.Path(__file__).resolve().parents[1] / "data" / "torch_grad_scaler_goldens.json").read_text()
+)
 SHAPES = {"w": ((2, 3), jnp.float32), "b": ((3,), jnp.bfloat16), "d": ((2,), jnp.float64)}
 NORMAL = (2.0**-126, 2.0**126)  # scales whose reciprocal is a normal float32
 

@@ -27,7 +27,7 @@ import jamp
 from jamp.casting import oplists
 from jamp.casting.regions import EFFECTIVE_RULE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md"))
 
