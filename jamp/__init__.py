@@ -6,20 +6,24 @@ updates of float16/bfloat16 parameters) and :mod:`jamp.tools` (explain, find_ove
 public face.
 """
 
+import importlib
+
 from jamp import nn
+from jamp.casting.autocast import autocast
+from jamp.casting.custom_fwd import custom_fwd
 from jamp.casting.low_precision_calls import lower_precision
 from jamp.casting.policy import Policy, get_policy
-from jamp.casting.transform import autocast, custom_fwd
-from jamp.low_precision_params.kahan import kahan_summation
-from jamp.low_precision_params.stochastic import stochastic_rounding
+from jamp.low_precision_params.kahan import KahanSummationState, kahan_summation
+from jamp.low_precision_params.stochastic import StochasticRoundingState, stochastic_rounding
 from jamp.scaling.checkpoint import load_state_dict, state_dict
 from jamp.scaling.helpers import found_inf, get_scale, scale, set_scale, unscale, value_and_grad
 from jamp.scaling.restore import from_restored
 from jamp.scaling.skip_report import SkippedStepsWarning, report_skipped_steps
 from jamp.scaling.state import DisabledScalerState, ScalerState
 from jamp.scaling.transform import scaler
+from jamp.scaling.transformation import ScalerTransformation
 from jamp.scaling.unscaled_grads import UnscaledGradientsWarning
-from jamp.tools.explanation import Report, explain
+from jamp.tools.explanation import OpRecord, Report, explain
 from jamp.tools.overflow import Finding, find_overflow
 
 __all__ = [
@@ -33,6 +37,7 @@ __all__ = [
     # gradient scaling
     "DisabledScalerState",
     "ScalerState",
+    "ScalerTransformation",
     "SkippedStepsWarning",
     "UnscaledGradientsWarning",
     "found_inf",
@@ -47,10 +52,13 @@ __all__ = [
     "unscale",
     "value_and_grad",
     # low-precision parameters
+    "KahanSummationState",
+    "StochasticRoundingState",
     "kahan_summation",
     "stochastic_rounding",
     # precision tools
     "Finding",
+    "OpRecord",
     "Report",
     "explain",
     "find_overflow",
@@ -59,6 +67,4 @@ __all__ = [
 
 def __getattr__(name: str):
     """torch.amp's names (``jamp.GradScaler``, ``jamp.is_autocast_enabled``, ...) fail with what to write instead."""
-    from jamp import _torch_names
-
-    raise _torch_names.missing_attribute(name)
+    raise importlib.import_module("jamp._torch_names").missing_attribute(name)

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jamp._floats import exact_pow2
 from jamp.casting import rounding
-from jamp.casting.dtypes import exact_pow2
 
 # cuBLASLt's float8 GEMM needs the contracting and the free extents in multiples of 16 bytes (16 float8
 # elements); other shapes stay in the compute dtype rather than being padded.

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jamp.casting.dtypes import exact_pow2
+from jamp._floats import exact_pow2
 
 _F32_BIAS, _F32_MANTISSA = 127, 23
 

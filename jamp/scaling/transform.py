@@ -19,11 +19,11 @@ import optax
 
 import jamp_kernels
 from jamp._arguments import checked_bool, checked_transformation
-from jamp._torch_names import ScalerTransformation
 from jamp.scaling import nesting, skip, skip_episodes, skip_report, unscaled_grads
 from jamp.scaling import rule as scale_rule
 from jamp.scaling import state as scaler_state
 from jamp.scaling.state import DisabledScalerState, ScalerState
+from jamp.scaling.transformation import ScalerTransformation
 
 _BACKENDS = ("auto", "xla", "pallas", "interpret")
 

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 from jamp import _jax_compat as jc
 from jamp.casting import accumulation, oplists
+from jamp.casting.autocast import autocast
 from jamp.casting.call import MATMUL_LIKE, Call
-from jamp.casting.transform import autocast
 from jamp.tools.sources import fitted_source
 
 

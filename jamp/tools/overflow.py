@@ -20,11 +20,11 @@ import numpy as np
 
 from jamp import _jax_compat as jc
 from jamp.casting import regions
+from jamp.casting.autocast import autocast
 from jamp.casting.call import Call, Context, Env, cast_outputs
 from jamp.casting.interpreter import track_facts
 from jamp.casting.rules import select_rule
 from jamp.casting.rules.calls import jit_body_ctx
-from jamp.casting.transform import autocast
 from jamp.tools.sources import short_source
 
 _LOW = ("float16", "bfloat16")

@@ -15,7 +15,7 @@ import pytest
 
 import jamp
 import jamp_kernels
-from jamp.casting import transform as autocast_transform
+from jamp.casting import transformation as autocast_transformation
 
 IDENTITY = lambda x: x
 GRADS = {"w": jnp.ones(3)}
@@ -388,7 +388,7 @@ def test_state_dict_and_load_state_dict_on_replicated_states():
 def test_autocast_cache_lookup_and_eviction_race(monkeypatch):
     """One thread's cache hit must survive another thread evicting that entry meanwhile (a KeyError
     escaped from move_to_end). The lookup is slowed down so that the eviction lands inside it."""
-    monkeypatch.setattr(autocast_transform, "_CACHE_SIZE", 1)
+    monkeypatch.setattr(autocast_transformation, "CACHE_SIZE", 1)
     f = jamp.autocast(lambda x: x * 2)
     a, b = jnp.ones(2), jnp.ones(3)
     f(a)

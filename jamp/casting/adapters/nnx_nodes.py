@@ -18,6 +18,8 @@ from typing import Any
 
 import jax
 
+from jamp.casting.adapters.frameworks import flax_nnx
+
 # The keyword the nodes' state travels under through the signature cache: no Python parameter has this name,
 # and it names the state's leaves in messages.
 STATE = "<NNX state>"
@@ -28,11 +30,6 @@ class _Slot:
     """Where the ``index``-th graph node stood in the arguments (static: part of the cache key)."""
 
     index: int
-
-
-def flax_nnx() -> Any:
-    """flax.nnx, looked up, not imported: a program that holds an NNX object has imported it already."""
-    return sys.modules.get("flax.nnx")
 
 
 def lift(args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
