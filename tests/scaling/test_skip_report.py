@@ -305,3 +305,36 @@ def test_an_episode_that_ended_before_the_host_looked_says_so():
     said = skip_report.message(0, 0.5, Thresholds(32, np.float32(1.0)), episodes=2)
     assert "reached warn_after_skips=32 or took the loss scale below warn_below_scale=1; it has ended" in said
     assert "(2 such episodes since the last report)" in said
+
+
+def test_the_advice_leads_to_the_op(every_look_reads):
+    """Issue 36: trained with device_type="gpu" on a CPU, a float16 matmul overflows in the forward pass every
+    step. find_overflow without the policy arguments uses the CPU's bfloat16 policy and finds nothing (the
+    float32 loss is finite); the warning says to pass the policy arguments autocast has, and with them
+    find_overflow names the matmul."""
+
+    def loss_fn(p, x):
+        return jnp.mean((x @ p["w"] / 1e3) ** 2)  # x @ w is about 3e5: inf in float16, finite in float32
+
+    params, x = {"w": jnp.full((64, 8), 300.0)}, jnp.full((4, 64), 16.0)
+    amp = jamp.autocast(loss_fn, device_type="gpu")
+    tx = jamp.scaler(optax.sgd(1e-3), warn_after_skips=3, warn_below_scale=None)
+
+    @jax.jit
+    def step(p, s):
+        g = jax.grad(lambda q: jamp.scale(amp(q, x), s))(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    state = tx.init(params)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            params, state = step(params, state)
+        jamp.report_skipped_steps(state)
+    (said,) = [str(w.message) for w in caught]
+    assert "jamp.find_overflow(jax.value_and_grad(loss_fn), device_type=..., dtype=...)" in said
+    assert np.isfinite(float(loss_fn(params, x)))
+    assert jamp.find_overflow(jax.value_and_grad(loss_fn))(params, x) is None  # the CPU's bfloat16 policy
+    found = jamp.find_overflow(jax.value_and_grad(loss_fn), device_type="gpu")(params, x)
+    assert found is not None and found.primitive == "dot_general"
