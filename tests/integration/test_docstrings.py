@@ -7,7 +7,7 @@ The public names are what docs/api.md renders: ``jamp.__all__`` (its ``nn`` modu
   ``**kwargs`` with their stars), ``Returns:`` and ``Examples:``. A class's has a one-line summary,
   ``Attributes:`` naming every field (a warning has none) and ``Examples:``. These are the Google-style
   sections mkdocstrings renders; it takes ``Examples:`` with the ``s`` (``Example:`` is read as an admonition,
-  whose ``>>>`` lines render as nested quotes).
+  whose ``>>>`` lines render as nested quotes), so no method a class renders may say ``Example:`` either.
 * The examples of each docstring run as one doctest, in fresh globals holding jax, jnp, np, optax, jamp and
   jamp_kernels, and must print exactly what they show.
 """
@@ -83,7 +83,10 @@ def test_docstring_has_its_sections(name):
     summary, _, rest = doc.partition("\n")
     assert summary.strip() and (not rest or rest.startswith("\n")), f"{name}: the summary is not one line"
     found = sections(doc)
-    assert "Example" not in found, f"{name}: write 'Examples:' (mkdocstrings renders 'Example:' as an admonition)"
+    members = {f"{name}.{k}": v for k, v in vars(obj).items() if not k.startswith("_")} if inspect.isclass(obj) else {}
+    for where, text in [(name, doc), *((k, inspect.getdoc(v)) for k, v in members.items())]:
+        singular = "Example" in sections(text or "")
+        assert not singular, f"{where}: write 'Examples:' (mkdocstrings renders 'Example:' as an admonition)"
     if inspect.isclass(obj):
         wanted = {"Attributes", "Examples"} if field_names(obj) else {"Examples"}
         assert wanted <= found.keys(), f"{name}: sections {sorted(found)}, wants {sorted(wanted)}"
