@@ -64,10 +64,35 @@ def cudnn_refusal(
     is_causal: bool = False,
     local_window_size: int | tuple[int, int] | None = None,
 ) -> str | None:
-    """Why cuDNN's flash attention would refuse this call, or None if it runs it: the conditions
-    ``jax.nn.dot_product_attention(implementation="cudnn")`` checks (``check_layout``,
-    ``check_is_flash_attention``) for float16/bfloat16 inputs, read off the arguments' shapes and dtypes.
-    A bias or mask needs even sequence lengths because the call may be differentiated."""
+    """Why cuDNN's flash attention would refuse this call, or None if it runs it.
+
+    The conditions ``jax.nn.dot_product_attention(implementation="cudnn")`` checks (``check_layout``,
+    ``check_is_flash_attention``) for float16/bfloat16 inputs, read off the arguments' shapes and dtypes, the
+    backend, the GPU's compute capability and the cuDNN version. A bias or mask needs even sequence lengths
+    because the call may be differentiated. :func:`dot_product_attention` asks it when ``implementation`` is
+    None. Nothing is computed: the arrays may be tracers.
+
+    Args:
+        query (jax.Array): the query, ``[batch, q_length, heads, head_dim]`` (leading axes may be missing).
+        key (jax.Array): the key, ``[batch, kv_length, kv_heads, head_dim]``.
+        value (jax.Array): the value, ``[batch, kv_length, kv_heads, value_head_dim]``.
+        bias (jax.Array | None): None, or a bias of the logits broadcastable to ``[batch, heads, q_length,
+            kv_length]``.
+        mask (jax.Array | None): None, or a mask of the logits broadcastable to ``[batch, heads, q_length,
+            kv_length]``.
+        is_causal: whether the attention is causal.
+        local_window_size: None, or the local window as an int or a ``(left, right)`` pair, as in
+            ``jax.nn.dot_product_attention``.
+
+    Returns:
+        A sentence saying why cuDNN would refuse the call, or None when it would run it.
+
+    Examples:
+        >>> import jax.numpy as jnp, jamp
+        >>> q = jnp.ones((1, 4, 2, 8), jnp.float16)  # [batch, length, heads, head_dim]
+        >>> jamp.nn.cudnn_refusal(q, q, q)  # on a CPU; None on a CUDA GPU with cuDNN
+        'the backend is not CUDA with cuDNN'
+    """
     cuda = _cuda()
     if cuda is None:
         return "the backend is not CUDA with cuDNN"
@@ -123,6 +148,34 @@ def dot_product_attention(
     dtype it is traced with (:func:`cudnn_refusal` says why not), else ``"xla"``; an explicit
     ``implementation`` is passed on as given. Outside autocast the call runs on the dtypes it is given. A dot
     whose algorithm a platform refuses (float16 logits on a CPU) runs there in a form it accepts.
+
+    Args:
+        query: the query, ``[batch, q_length, heads, head_dim]`` or ``[q_length, heads, head_dim]``.
+        key: the key, ``[batch, kv_length, kv_heads, head_dim]``; ``kv_heads`` divides ``heads``
+            (grouped-query attention).
+        value: the value, shaped like ``key``.
+        bias: None, or a bias added to the logits, broadcastable to ``[batch, heads, q_length, kv_length]``.
+        mask: None, or a boolean mask broadcastable to ``[batch, heads, q_length, kv_length]``: True attends.
+        scale: the logits' scale; None means ``1 / sqrt(head_dim)``.
+        is_causal: apply a causal mask.
+        query_seq_lengths: None, or the valid query length of each batch element (int32 ``[batch]``).
+        key_value_seq_lengths: None, or the valid key/value length of each batch element (int32 ``[batch]``).
+        local_window_size: None, or a local window as an int (left and right) or a ``(left, right)`` pair.
+        implementation: None (pick as above), "xla" or "cudnn".
+        return_residual: also return the softmax's logsumexp residual, as ``jax.nn`` does.
+
+    Returns:
+        The attention output, shaped like ``query``, in the dtype the call ran in (under autocast the
+        region's compute dtype, as a matmul's output); with ``return_residual`` the pair ``(output,
+        residual)``.
+
+    Examples:
+        >>> import jax.numpy as jnp, jamp
+        >>> q = jnp.ones((1, 4, 2, 8))  # [batch, length, heads, head_dim], float32
+        >>> attention = jamp.autocast(jamp.nn.dot_product_attention, device_type="gpu")
+        >>> out = attention(q, q, q)  # ran in float16 (cuDNN's flash attention on a CUDA GPU)
+        >>> out.shape, out.dtype  # the float32 function's output
+        ((1, 4, 2, 8), dtype('float32'))
     """
     if implementation is None:
         refused = cudnn_refusal(query, key, value, bias, mask, is_causal=is_causal, local_window_size=local_window_size)
@@ -188,8 +241,9 @@ def flax_dot_product_attention(
     attn_weights_value_einsum: Callable | None = None,
     is_causal: bool = False,
 ) -> jax.Array:
-    """:func:`dot_product_attention` with flax's ``attention_fn`` signature, for
-    ``flax.linen.MultiHeadDotProductAttention(attention_fn=...)`` and
+    """:func:`dot_product_attention` with flax's ``attention_fn`` signature.
+
+    For ``flax.linen.MultiHeadDotProductAttention(attention_fn=...)`` and
     ``flax.nnx.MultiHeadAttention(attention_fn=...)``.
 
     Inputs are ``[batch..., length, heads, head_dim]``; a ``mask`` (True attends, any dtype) and a
@@ -199,6 +253,40 @@ def flax_dot_product_attention(
     refused with a ValueError. ``precision`` is not applied (flax's own ``dot_product_attention`` drops it
     too when it calls ``jax.nn.dot_product_attention``) and ``force_fp32_for_softmax`` always holds: both
     implementations compute the softmax in float32.
+
+    Args:
+        query: the query, ``[batch..., q_length, heads, head_dim]``.
+        key: the key, ``[batch..., kv_length, heads, head_dim]``.
+        value: the value, ``[batch..., kv_length, heads, head_dim]``.
+        bias: None, or a bias broadcastable to ``[batch..., heads, q_length, kv_length]``.
+        mask: None, or a mask broadcastable to ``[batch..., heads, q_length, kv_length]`` (True, or nonzero,
+            attends).
+        broadcast_dropout: ignored (there is no dropout).
+        dropout_rng: ignored (there is no dropout).
+        dropout_rate: must be 0 unless ``deterministic``.
+        deterministic: True allows any ``dropout_rate`` (none is applied).
+        dtype: the dtype query, key and value are promoted to; None means their result type.
+        precision: ignored.
+        module: must be None (the weights cannot be sown).
+        force_fp32_for_softmax: ignored: the softmax always runs in float32.
+        einsum_dot_general: must be None.
+        qk_attn_weights_einsum: must be None.
+        attn_weights_value_einsum: must be None.
+        is_causal: apply a causal mask.
+
+    Returns:
+        The attention output, ``[batch..., q_length, heads, head_dim]``.
+
+    Raises:
+        ValueError: for dropout on the attention weights, ``module`` or a custom einsum.
+
+    Examples:
+        >>> import jax.numpy as jnp, jamp
+        >>> q = jnp.ones((2, 3, 4, 2, 8))  # two batch axes, length 4, 2 heads of size 8
+        >>> jamp.nn.flax_dot_product_attention(q, q, q).shape
+        (2, 3, 4, 2, 8)
+
+        In a flax model: ``nnx.MultiHeadAttention(..., attention_fn=jamp.nn.flax_dot_product_attention)``.
     """
     del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
     _refuse(
@@ -239,7 +327,9 @@ def equinox_multihead_attention(
     inference: bool | None = None,
     process_heads: Callable | None = None,
 ) -> jax.Array:
-    """``attention(query, key_, value, mask)`` for an ``equinox.nn.MultiheadAttention``, with its heads
+    """An ``equinox.nn.MultiheadAttention`` call whose heads fused attention computes.
+
+    ``attention(query, key_, value, mask)`` for an ``equinox.nn.MultiheadAttention``, with its heads
     computed by :func:`dot_product_attention` (Equinox's module has no ``attention_fn`` to swap).
 
     Same arguments as the module's ``__call__``: unbatched ``[length, size]`` inputs, a boolean ``mask`` of
@@ -247,6 +337,31 @@ def equinox_multihead_attention(
     different sizes (``qk_size != vo_size``) are zero-padded to one size for the kernel. Dropout on the
     attention weights (the module's ``dropout.p > 0`` outside inference) is refused with a ValueError:
     fused attention never forms the weights.
+
+    Args:
+        attention: the ``equinox.nn.MultiheadAttention`` whose projections are used.
+        query: the query, ``[q_length, query_size]``.
+        key_: the key, ``[kv_length, key_size]`` (the module's ``key_`` argument).
+        value: the value, ``[kv_length, value_size]``.
+        mask: None, or a boolean mask ``[q_length, kv_length]`` or ``[heads, q_length, kv_length]``: True
+            attends.
+        key: the module's PRNG key for dropout; unused, as dropout is refused.
+        inference: None takes the module's ``dropout.inference``; True allows a module with dropout.
+        process_heads: None, or a function of the query, key and value heads (each ``[length, heads,
+            head_size]``) returning them changed but not reshaped (rotary embeddings), as Equinox's.
+
+    Returns:
+        The module's output, ``[q_length, output_size]``.
+
+    Raises:
+        ValueError: for dropout on the attention weights, or a ``process_heads`` that changes a shape.
+
+    Examples:
+        >>> import equinox as eqx, jax, jax.numpy as jnp, jamp
+        >>> mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=8, key=jax.random.key(0))
+        >>> x = jnp.ones((4, 8))  # [length, size]
+        >>> jamp.nn.equinox_multihead_attention(mha, x, x, x).shape
+        (4, 8)
     """
     del key
     inference = attention.dropout.inference if inference is None else inference

@@ -53,6 +53,26 @@ def has_nonfinite(grads: Any, *, backend: str = "auto") -> jax.Array:
     (elementwise loops over views of the leaves on a CPU); "xla", "pallas", "interpret" as for
     :func:`unscale_and_check`. The Pallas kernel and the CPU form read sharded leaves shard by shard and OR
     the flag over the mesh; XLA partitions the per-leaf reductions of the other form itself.
+
+    Args:
+        grads: a pytree of JAX or NumPy arrays (real floating, integer or bool); integer, bool and empty
+            leaves are not read.
+        backend: "auto", "xla", "pallas" (the Triton kernel, on a GPU) or "interpret" (the Pallas kernel interpreted,
+            for CPU tests).
+
+    Returns:
+        A bool scalar array: True when any element of a floating leaf is inf or NaN.
+
+    Raises:
+        TypeError: for a leaf that is not an array (a Python number) or is complex.
+        ValueError: for an unknown ``backend``.
+
+    Examples:
+        >>> import jax.numpy as jnp, jamp_kernels
+        >>> jamp_kernels.has_nonfinite({"w": jnp.ones(3), "b": jnp.array([1.0, jnp.nan])})
+        Array(True, dtype=bool)
+        >>> jamp_kernels.has_nonfinite({"w": jnp.ones(3), "step": jnp.arange(3)})
+        Array(False, dtype=bool)
     """
     _check_backend(backend)
     leaves, _ = _leaves.flatten(grads)
@@ -84,6 +104,31 @@ def unscale_and_check(
     *input* element is inf or NaN. ``backend``: "auto" (the Pallas kernel on CUDA, XLA elsewhere, chosen
     when lowering), "xla", "pallas" (Triton), "interpret" (the Pallas kernel interpreted, for CPU tests).
     ``donate=True`` lets the Pallas kernel write in place (see ``pallas_triton.unscale_and_check``).
+
+    Args:
+        grads: a pytree of JAX or NumPy arrays (real floating, integer or bool).
+        inv_scale: the inverse scale: a positive finite scalar, or a ``[factor, power_of_two]`` pair whose
+            product it is (``jamp_kernels.inverse(scale)``).
+        backend: "auto", "xla", "pallas" or "interpret", as above.
+        donate: whether the Pallas kernel may write the unscaled gradients over the inputs.
+
+    Returns:
+        ``(unscaled_grads, found_inf)``: ``grads``' structure with each floating leaf times ``inv_scale``
+        in its dtype, and a bool scalar array.
+
+    Raises:
+        TypeError: for a leaf that is not an array (a Python number) or is complex, or an ``inv_scale``
+            that is not real.
+        ValueError: for an unknown ``backend``, or an ``inv_scale`` of another shape, or concrete and not
+            finite and positive.
+
+    Examples:
+        >>> import jax.numpy as jnp, jamp_kernels
+        >>> grads = {"w": jnp.array([2.0, 4.0]), "step": jnp.arange(2)}
+        >>> jamp_kernels.unscale_and_check(grads, 0.5)
+        ({'step': Array([0, 1], dtype=int32), 'w': Array([1., 2.], dtype=float32)}, Array(False, dtype=bool))
+        >>> jamp_kernels.unscale_and_check({"w": jnp.array([2.0, jnp.inf])}, 0.5)[1]
+        Array(True, dtype=bool)
     """
     _check_backend(backend)
     leaves, treedef = _leaves.flatten(grads)

@@ -23,8 +23,33 @@ loops: 1000 bias vectors of one size take 125 loops instead of 1000 reductions."
 
 
 def unscale(grads: Any, inv_scale: Any) -> Any:
-    """Multiply every floating leaf by ``inv_scale`` (a scalar or an :func:`inverse` pair) in its opmath
-    type and round once to its dtype."""
+    """Multiply every floating leaf by ``inv_scale`` and round once to its dtype.
+
+    ``inv_scale`` is a scalar or an :func:`inverse` pair; the product is computed in the leaf's opmath type.
+    The opmath type is torch's: float32 for float16, bfloat16 and float32 leaves, float64 for float64.
+    Plain jnp that XLA fuses into the optimizer's loops; integer, bool and empty leaves pass through.
+    Unlike :func:`unscale_and_check` it does not look for inf/NaN.
+
+    Args:
+        grads: a pytree of JAX or NumPy arrays (real floating, integer or bool).
+        inv_scale: the inverse scale: a positive finite scalar, or a ``[factor, power_of_two]`` pair whose
+            product it is (``jamp_kernels.inverse(scale)``).
+
+    Returns:
+        ``grads``' structure with each floating leaf times ``inv_scale``, in its dtype.
+
+    Raises:
+        TypeError: for a leaf that is not an array (a Python number) or is complex, or an ``inv_scale``
+            that is not real.
+        ValueError: for an ``inv_scale`` of another shape, or concrete and not finite and positive.
+
+    Examples:
+        >>> import jax.numpy as jnp, jamp_kernels
+        >>> jamp_kernels.unscale({"w": jnp.array([2.0, 4.0], jnp.bfloat16)}, 0.5)
+        {'w': Array([1, 2], dtype=bfloat16)}
+        >>> jamp_kernels.unscale([jnp.array([65536.0])], jamp_kernels.inverse(jnp.float32(2.0**16)))
+        [Array([1.], dtype=float32)]
+    """
     leaves, treedef = _leaves.flatten(grads)
     inv = _leaves.inv_scale_pair(inv_scale)
     return jax.tree.unflatten(

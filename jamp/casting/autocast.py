@@ -127,7 +127,7 @@ def autocast(
         The transformed function (same signature as ``fun``), or an :class:`AutocastSpec` when ``fun`` is
         omitted.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, jamp
         >>> f = jamp.autocast(lambda a, b: a @ b, device_type="gpu")
         >>> f(jnp.ones((2, 3)), jnp.ones((3, 4))).dtype  # the matmul ran in float16

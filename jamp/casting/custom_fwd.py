@@ -17,10 +17,10 @@ from jamp.casting.tracing import tracing_depth
 
 
 def custom_fwd(fun: Callable | None = None, /, *, cast_inputs: Any = None) -> Callable:
-    """torch's ``custom_fwd(cast_inputs=...)``: inside an autocast function, cast ``fun``'s floating inputs to
-    ``cast_inputs`` and run it with autocast off.
+    """torch's ``custom_fwd(cast_inputs=...)``: a function that runs in one precision inside autocast.
 
-    Outside autocast, or with ``cast_inputs=None``, ``fun`` runs unchanged. Decorate a ``jax.custom_vjp``
+    Inside an autocast function, cast ``fun``'s floating inputs to ``cast_inputs`` and run it with autocast
+    off. Outside autocast, or with ``cast_inputs=None``, ``fun`` runs unchanged. Decorate a ``jax.custom_vjp``
     function with it to keep a hand-written kernel and its backward rule in one precision; the backward rule of
     a custom_vjp always runs under the same autocast state as its forward (torch's ``custom_bwd``).
 
@@ -32,7 +32,7 @@ def custom_fwd(fun: Callable | None = None, /, *, cast_inputs: Any = None) -> Ca
     Returns:
         The wrapped function (or a decorator when ``fun`` is omitted).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, jamp
         >>> @jamp.custom_fwd(cast_inputs=jnp.float32)
         ... def kernel(x):

@@ -165,6 +165,26 @@ def lower_precision(fn: Callable) -> Callable:
     (cuDNN attention, a Pallas kernel written for bfloat16, an fp8 GEMM) gets low-precision inputs from a
     float32 model. Its outputs stay in that dtype, as a matmul's do, and the surrounding code follows the
     policy. Non-array arguments are static. Outside autocast, the wrapper calls ``fn`` unchanged.
+
+    Args:
+        fn: the function (a kernel); its array arguments, anywhere in its pytree arguments, are its inputs,
+            and every other argument (Python numbers, strings, None, functions) is static.
+
+    Returns:
+        The wrapped function, with ``fn``'s signature; use it as a decorator.
+
+    Raises:
+        TypeError: when ``fn`` is not callable.
+
+    Examples:
+        >>> import jax.numpy as jnp, jamp
+        >>> @jamp.lower_precision
+        ... def half_only(x):  # like cuDNN attention: refuses float32 while it is traced
+        ...     if x.dtype != jnp.float16:
+        ...         raise TypeError("float16 only")
+        ...     return x * 2
+        >>> jamp.autocast(half_only, device_type="gpu")(jnp.ones(3))  # a float32 model
+        Array([2., 2., 2.], dtype=float32)
     """
     if not callable(fn):
         raise TypeError(f"lower_precision requires a callable, but got {type(fn).__name__}")

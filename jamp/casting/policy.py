@@ -53,13 +53,43 @@ def _check_mode(mode: str, where: str) -> str:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Policy:
-    """Immutable and hashable (a jit static argument, a cache key).
+    """What :func:`jamp.autocast` does, as data: the compute dtype, the category of every primitive, region rules.
 
-    Build one with :func:`get_policy` or by adjusting a built-in:
+    Immutable and hashable (a jit static argument, a cache key). Build one with :func:`get_policy` or by
+    adjusting a built-in with the ``with_*`` methods, and pass it as ``jamp.autocast(fn, policy=...)``:
 
     ```python
     jamp.get_policy("gpu").with_rules({"*lm_head*": "float32"})
     ```
+
+    Attributes:
+        compute_dtype: the dtype of ``lower`` ops (matmuls, convolutions): float16 or bfloat16 (a dtype or
+            a name such as "bf16").
+        device_type: whose op lists the categories follow: "gpu", "cpu" or "tpu" (TPU takes the GPU lists).
+        categories: ``(primitive name, category)`` pairs (sorted by name in the built-in policies). A category
+            is one of "lower", "float32", "linalg", "promote", "passthrough" (see :mod:`jamp.casting.oplists`);
+            a primitive not listed is "default": it runs on the dtypes it was traced with.
+        rules: region rules ``RegionRule(pattern, mode, why)``: a glob over a name-stack path
+            ("Block_0/LayerNorm_0") or one component of it (a name scope, a flax module name, the name of a
+            jit-wrapped function) and the mode of the equations inside ("autocast", "float32",
+            "float32_output", "compute", "native", "off"). The innermost matching region wins; of rules
+            matching the same region, the later one (so rules added by :meth:`with_rules` override the
+            built-in ones).
+        output_dtype: the dtype autocast's floating outputs are cast to (float16, bfloat16 or float32); None
+            keeps the dtypes the function declares.
+        param_dtype: the dtype :meth:`cast_to_param` casts to (jmp's ``param_dtype``); float32 by default.
+        fp8: whether eligible matmuls of ``lower`` ops run in float8 with current scaling
+            (:mod:`jamp.casting.fp8`).
+
+    Examples:
+        >>> import jax.numpy as jnp, jamp
+        >>> policy = jamp.get_policy("gpu").with_rules({"*lm_head*": "float32"})
+        >>> policy.compute_dtype, policy.category("dot_general"), policy.category("exp")
+        (dtype('float16'), 'lower', 'float32')
+        >>> policy.match("Model/lm_head", "lm_head")  # the region mode there
+        'float32'
+        >>> policy.cast_to_compute({"w": jnp.ones(2), "step": jnp.arange(2)})
+        {'step': Array([0, 1], dtype=int32), 'w': Array([1., 1.], dtype=float16)}
     """
 
     compute_dtype: np.dtype
@@ -129,6 +159,7 @@ class Policy:
 
     # -- derived policies -----------------------------------------------------------------------
     def with_compute_dtype(self, dtype: Any) -> Policy:
+        """The same policy with another compute dtype (float16 or bfloat16)."""
         return dataclasses.replace(self, compute_dtype=dtype)
 
     def with_fp8(self, enabled: bool = True) -> Policy:
@@ -147,12 +178,17 @@ class Policy:
 
     # -- jmp-style casting helpers for parameters and outputs -------------------------------------
     def cast_to_compute(self, tree: Any) -> Any:
+        """``tree`` with its float16/bfloat16/float32 leaves cast to ``compute_dtype`` (jmp's helper); other
+        leaves (integers, float64, PRNG keys) as they are."""
         return _cast_floats(tree, self.compute_dtype)
 
     def cast_to_param(self, tree: Any) -> Any:
+        """``tree`` with its float16/bfloat16/float32 leaves cast to ``param_dtype`` (jmp's helper)."""
         return _cast_floats(tree, self.param_dtype)
 
     def cast_to_output(self, tree: Any) -> Any:
+        """``tree`` with its float16/bfloat16/float32 leaves cast to ``output_dtype``; ``tree`` itself when that
+        is None (jmp's helper)."""
         return tree if self.output_dtype is None else _cast_floats(tree, self.output_dtype)
 
 
@@ -221,12 +257,37 @@ def _unknown_name(spec: str, text: str) -> ValueError:
 
 
 def get_policy(spec: str | Policy, *, device_type: str | None = None) -> Policy:
-    """Parse a policy string (or pass a Policy through).
+    """Parse a policy string into a :class:`jamp.Policy` (or pass a Policy through).
 
     Accepted forms: a device name (``"gpu"``, ``"cuda"``, ``"cpu"``, ``"tpu"``), Keras' names
     (``"mixed_float16"``, ``"mixed_bfloat16"``), ``"fp8"`` (the GPU lists in bfloat16 with float8
     matmuls), a bare dtype (``"bf16"``), or jmp's key list
     ``"p=f32,c=bf16,o=f32"`` with keys ``p/params``, ``c/compute``, ``o/output`` and ``d/device``.
+    The result is the built-in op lists of the device, in the compute dtype given (else the device's
+    default: float16 on a GPU, bfloat16 on a CPU or TPU).
+
+    Args:
+        spec: a policy string in one of the forms above (case and surrounding spaces do not matter), or a
+            :class:`jamp.Policy`, returned as it is.
+        device_type: the device whose op lists a string that names none takes ("gpu", "cuda", "cpu",
+            "tpu"); None means ``jax.default_backend()``.
+
+    Returns:
+        The :class:`jamp.Policy`.
+
+    Raises:
+        ValueError: for a string in none of the forms (the error lists them and suggests the closest name),
+            a key given twice, an unknown device, or compute dtype float32 (no mixed precision: use
+            ``jamp.autocast(..., enabled=False)``).
+        TypeError: for a ``spec`` that is neither a string nor a Policy.
+
+    Examples:
+        >>> import jamp
+        >>> policy = jamp.get_policy("mixed_bfloat16", device_type="cpu")
+        >>> policy.device_type, policy.compute_dtype
+        ('cpu', dtype(bfloat16))
+        >>> jamp.get_policy("p=f32,c=bf16,o=f32", device_type="tpu").output_dtype
+        dtype('float32')
     """
     if isinstance(spec, Policy):
         return spec

@@ -25,6 +25,16 @@ class StochasticRoundingState(NamedTuple):
 
     The key is kept as its raw uint32 data (``jax.random.key_data``) so that checkpointing, ``jnp.where``
     and ``jamp.scaler``'s skip treat it like any other array.
+
+    Attributes:
+        key: the PRNG key's uint32 data; split on every update.
+        inner_state: the state of the optimizer ``stochastic_rounding`` wraps.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, jamp
+        >>> opt_state = jamp.stochastic_rounding(optax.sgd(1e-3), seed=0).init({"w": jnp.ones(2, jnp.bfloat16)})
+        >>> opt_state.key.dtype, opt_state.key.shape  # jax.random.key_data of the default PRNG
+        (dtype('uint32'), (2,))
     """
 
     key: jax.Array  # uint32 key data; split on every update
@@ -80,6 +90,35 @@ def stochastic_rounding(
 
     ``state_dtype``: as in :func:`jamp.kahan_summation` (None: ``inner`` sees the parameters' own dtype;
     ``jnp.float32`` for Adam on float16 parameters).
+
+    Args:
+        inner: the optax transformation (the optimizer) whose updates are applied with stochastic rounding.
+        seed: the PRNG seed, an int in [0, 2**32).
+        state_dtype: None, or ``jnp.float32`` (or "float32") to hand ``inner`` float32 copies of the
+            float16/bfloat16 parameters and gradients.
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`jamp.StochasticRoundingState`;
+        ``update`` needs ``params``.
+
+    Raises:
+        TypeError: when ``inner`` is not an optax transformation, ``seed`` is not an int, or a parameter is
+            not a float16, bfloat16, float32 or float64 array.
+        ValueError: for a ``seed`` outside [0, 2**32), a ``state_dtype`` other than None and float32, or an
+            ``update`` without ``params``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, jamp
+        >>> params = {"w": jnp.ones(1000, jnp.bfloat16)}
+        >>> tx = jamp.stochastic_rounding(optax.sgd(1e-3), seed=0)
+        >>> opt_state = tx.init(params)
+        >>> grads = {"w": jnp.ones(1000, jnp.bfloat16)}
+        >>> updates, opt_state = jax.jit(tx.update)(grads, opt_state, params)
+        >>> w = optax.apply_updates(params, updates)["w"]
+        >>> sorted(set(w.tolist()))  # 0.999 rounded down to the next bfloat16 or up to 1, at random
+        [0.99609375, 1.0]
+        >>> round(sum(w.tolist()) / 1000, 3)  # 0.999 in expectation
+        0.999
     """
     inner_tx = leaves.checked_inner(_WHO, inner)
     seed = _checked_seed(seed)

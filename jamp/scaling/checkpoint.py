@@ -45,7 +45,34 @@ def _one_value(st: ScalerState, key: str, field: str) -> np.ndarray:
 
 
 def state_dict(opt_state: Any) -> dict[str, float | int]:
-    """The scaler's five torch keys as Python numbers (``{}`` when disabled). Call it outside ``jit``."""
+    """The scaler's five torch keys as Python numbers (``{}`` when disabled). Call it outside ``jit``.
+
+    torch's ``scaler.state_dict()``: ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``
+    and ``_growth_tracker``, in torch's order, so that it loads into a torch ``GradScaler`` and a torch
+    checkpoint's scaler loads into jamp (:func:`load_state_dict`). ``min_scale``/``max_scale`` (jamp
+    extras) are not in it. A replicated state gives the values every replica holds.
+
+    Args:
+        opt_state: the optimizer state that holds the ``jamp.scaler`` state, anywhere inside it, with
+            concrete values (not inside ``jax.jit``).
+
+    Returns:
+        A dict of the five keys: floats for ``scale``, ``growth_factor`` and ``backoff_factor``, ints for
+        ``growth_interval`` and ``_growth_tracker``; ``{}`` when the scaler is disabled.
+
+    Raises:
+        TypeError: inside ``jax.jit`` (or another transformation), where the values are traced.
+        ValueError: when the replicas of a replicated state hold different values, or ``opt_state`` holds no
+            scaler state or more than one.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, jamp
+        >>> params = {"w": jnp.ones(3)}
+        >>> tx = jamp.scaler(optax.sgd(0.1))
+        >>> opt_state = tx.init(params)
+        >>> jamp.state_dict(opt_state)
+        {'scale': 65536.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 2000, '_growth_tracker': 0}
+    """
     st = scaler_state.find(opt_state)
     if isinstance(st, DisabledScalerState):
         return {}
@@ -70,9 +97,35 @@ def state_dict(opt_state: Any) -> dict[str, float | int]:
 def load_state_dict(opt_state: Any, sd: Mapping[str, Any]) -> Any:
     """A new opt_state whose scaler takes ``sd``'s values (a no-op when disabled, as torch).
 
-    Every value is validated as the constructor validates it (``scale`` as ``init_scale``) before
-    anything is built, so a refused state dict changes nothing. The scale is rounded to float32 as
-    torch's ``fill_`` does. Extra keys are ignored. A replicated state gets the values on every replica.
+    torch's ``scaler.load_state_dict(sd)``, returning the new state instead of mutating. Every value is
+    validated as the constructor validates it (``scale`` as ``init_scale``) before anything is built, so a
+    refused state dict changes nothing. The scale is rounded to float32 as torch's ``fill_`` does. Extra
+    keys are ignored. A replicated state gets the values on every replica. The values are arrays in the
+    state, so a jitted step that takes the new state does not recompile.
+
+    Args:
+        opt_state: the optimizer state that holds the ``jamp.scaler`` state, anywhere inside it.
+        sd: a mapping with torch's five keys (``scale``, ``growth_factor``, ``backoff_factor``,
+            ``growth_interval``, ``_growth_tracker``) holding Python numbers: what :func:`state_dict` or
+            torch's ``scaler.state_dict()`` returned.
+
+    Returns:
+        A new ``opt_state`` (``opt_state`` itself when the scaler is disabled).
+
+    Raises:
+        TypeError: when ``sd`` is not a mapping, a value is not a number or is traced (inside ``jax.jit``),
+            or the arguments are swapped.
+        ValueError: when ``sd`` is empty (saved from a disabled scaler) or lacks a key, a value is out of
+            range, or ``opt_state`` holds no scaler state or more than one.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, jamp
+        >>> params = {"w": jnp.ones(3)}
+        >>> tx = jamp.scaler(optax.sgd(0.1))
+        >>> opt_state = tx.init(params)
+        >>> opt_state = jamp.load_state_dict(opt_state, {**jamp.state_dict(opt_state), "scale": 1024.0})
+        >>> jamp.get_scale(opt_state)
+        Array(1024., dtype=float32)
     """
     scaler_state.refuse_swapped(
         opt_state, sd, "jamp.load_state_dict(sd, opt_state)", "jamp.load_state_dict(opt_state, sd)"

@@ -40,8 +40,33 @@ def _scaled(loss_or_tree: Any, opt_state: Any) -> Any:
 def scale(loss_or_tree: Any, opt_state: Any) -> Any:
     """The loss (or every leaf of a pytree of outputs) times the current scale; the identity when disabled.
 
-    Warns when the scaler sits inside ``optax.MultiSteps`` on an optax whose accumulator an overflow poisons
-    (:mod:`jamp.scaling.nesting`)."""
+    torch's ``scaler.scale(loss)``: call it inside the function you differentiate, so that the gradients
+    ``tx.update`` gets are scaled. A 0-dim loss promotes to float32 (a float16 or bfloat16 loss too, so the
+    scaled loss never lives in half precision); a floating array with dimensions keeps its dtype, computed
+    in float32 and rounded once, as torch does. Warns when the scaler sits inside ``optax.MultiSteps`` on an
+    optax whose accumulator an overflow poisons (:mod:`jamp.scaling.nesting`).
+
+    Args:
+        loss_or_tree: the loss, or a pytree of outputs (arrays or Python numbers).
+        opt_state: the optimizer state that holds the ``jamp.scaler`` state, anywhere inside it (the one
+            passed to ``tx.update`` with the gradients).
+
+    Returns:
+        ``loss_or_tree`` times the scale, leaf by leaf; ``loss_or_tree`` itself when the scaler is disabled.
+
+    Raises:
+        ValueError: when ``opt_state`` holds no scaler state, or more than one.
+        TypeError: when the arguments are swapped.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, jamp
+        >>> params = {"w": jnp.ones(3)}
+        >>> tx = jamp.scaler(optax.sgd(0.1))
+        >>> opt_state = tx.init(params)
+        >>> jamp.scale(jnp.float32(2.0), opt_state)  # the default scale is 2**16
+        Array(131072., dtype=float32)
+        >>> grads = jax.grad(lambda p: jamp.scale(jnp.sum(p["w"] ** 2), opt_state))(params)
+    """
     scaler_state.refuse_swapped(opt_state, loss_or_tree, "jamp.scale(opt_state, loss)", "jamp.scale(loss, opt_state)")
     scaled = _scaled(loss_or_tree, opt_state)
     nesting.check_multisteps(opt_state, stacklevel=2)
@@ -49,35 +74,40 @@ def scale(loss_or_tree: Any, opt_state: Any) -> Any:
 
 
 def unscale(grads: Any, opt_state: Any) -> Any:
-    """The scaled gradients divided by the scale that produced them, as ``tx.update`` divides them: for what you
-    log or inspect (a gradient norm), not for ``tx.update``.
+    """The scaled gradients divided by the scale that produced them, as ``tx.update`` divides them.
 
-    torch's ``scaler.unscale_(optimizer)`` divides the gradients in place and its ``step`` then skips the
-    division; ``tx.update`` always divides what it gets, so hand it the *scaled* gradients: gradients passed
-    through ``jamp.unscale`` first would be divided twice (each step 65536 times too small at the default
-    scale; jamp warns with :class:`jamp.UnscaledGradientsWarning` when it sees that in the jitted step). To
-    clip the unscaled gradients, put the clip inside the scaler instead:
+    For what you log or inspect (a gradient norm), not for ``tx.update``. torch's
+    ``scaler.unscale_(optimizer)`` divides the gradients in place and its ``step`` then skips the division;
+    ``tx.update`` always divides what it gets, so hand it the *scaled* gradients: gradients passed through
+    ``jamp.unscale`` first would be divided twice (each step 65536 times too small at the default scale; jamp
+    warns with :class:`jamp.UnscaledGradientsWarning` when it sees that in the jitted step). To clip the
+    unscaled gradients, put the clip inside the scaler instead:
     ``jamp.scaler(optax.clip_by_global_norm(1.0), optax.adam(1e-3))``.
 
     Args:
-      grads: the gradients of ``jamp.scale(loss, opt_state)``, any pytree.
-      opt_state: the optimizer state whose scale multiplied the loss (the one given to ``jamp.scale``).
+        grads: the gradients of ``jamp.scale(loss, opt_state)``, any pytree.
+        opt_state: the optimizer state whose scale multiplied the loss (the one given to ``jamp.scale``).
 
     Returns:
-      ``grads`` with every floating leaf times ``float32(1/scale)`` (computed without overflow or flush, as
-      :func:`jamp_kernels.inverse`) in float32, float64 leaves in float64, rounded once to the leaf's dtype;
-      integer leaves as they are. ``grads`` itself when the scaler is disabled. On a step whose scaled
-      gradients overflowed they hold inf/NaN, and ``tx.update`` skips that step.
+        ``grads`` with every floating leaf times ``float32(1/scale)`` (computed without overflow or flush, as
+        :func:`jamp_kernels.inverse`) in float32, float64 leaves in float64, rounded once to the leaf's dtype;
+        integer leaves as they are. ``grads`` itself when the scaler is disabled. On a step whose scaled
+        gradients overflowed they hold inf/NaN, and ``tx.update`` skips that step.
 
-    Example:
-      >>> import jax, jax.numpy as jnp, optax, jamp
-      >>> params = {"w": jnp.ones(3)}
-      >>> tx = jamp.scaler(optax.sgd(0.1))
-      >>> opt_state = tx.init(params)
-      >>> grads = jax.grad(lambda p: jamp.scale(jnp.sum(p["w"] ** 2), opt_state))(params)
-      >>> print(optax.tree.norm(jamp.unscale(grads, opt_state)))  # log this
-      3.4641016
-      >>> updates, opt_state = tx.update(grads, opt_state, params)  # the scaled grads
+    Raises:
+        ValueError: for a replicated state (one scale per replica): call it inside the ``pmap`` or
+            ``shard_map`` that runs the step. Also when ``opt_state`` holds no scaler state, or more than one.
+        TypeError: when the arguments are swapped.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, jamp
+        >>> params = {"w": jnp.ones(3)}
+        >>> tx = jamp.scaler(optax.sgd(0.1))
+        >>> opt_state = tx.init(params)
+        >>> grads = jax.grad(lambda p: jamp.scale(jnp.sum(p["w"] ** 2), opt_state))(params)
+        >>> print(optax.tree.norm(jamp.unscale(grads, opt_state)))  # log this
+        3.4641016
+        >>> updates, opt_state = tx.update(grads, opt_state, params)  # the scaled grads
     """
     scaler_state.refuse_swapped(opt_state, grads, "jamp.unscale(opt_state, grads)", "jamp.unscale(grads, opt_state)")
     st = scaler_state.find(opt_state)
@@ -93,14 +123,58 @@ def unscale(grads: Any, opt_state: Any) -> Any:
 
 
 def get_scale(opt_state: Any) -> jax.Array:
-    """The current scale as a float32 array (1.0 when disabled); ``float(...)`` it for torch's Python float.
-    Also unwraps the variables of an ``nnx.Optimizer``'s state."""
+    """The current scale as a float32 array (1.0 when disabled): torch's ``scaler.get_scale()``.
+
+    ``float(...)`` it for torch's Python float (outside ``jax.jit``). Also unwraps the variables of an
+    ``nnx.Optimizer``'s state.
+
+    Args:
+        opt_state: the optimizer state that holds the ``jamp.scaler`` state, anywhere inside it.
+
+    Returns:
+        A float32 scalar array (one per replica for a replicated state).
+
+    Raises:
+        ValueError: when ``opt_state`` holds no scaler state, or more than one.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, jamp
+        >>> params = {"w": jnp.ones(3)}
+        >>> tx = jamp.scaler(optax.sgd(0.1))
+        >>> opt_state = tx.init(params)
+        >>> jamp.get_scale(opt_state)
+        Array(65536., dtype=float32)
+        >>> float(jamp.get_scale(opt_state))
+        65536.0
+    """
     st = scaler_state.find(opt_state)
     return jnp.ones((), jnp.float32) if isinstance(st, DisabledScalerState) else jnp.asarray(st.scale)
 
 
 def found_inf(opt_state: Any) -> jax.Array:
-    """True when the last update saw inf/NaN and skipped ``inner`` (always False when disabled)."""
+    """True when the last update saw inf/NaN and skipped ``inner`` (always False when disabled).
+
+    What a training loop logs to count skipped steps; ``opt_state.consecutive_skips`` counts the current
+    run of them.
+
+    Args:
+        opt_state: the optimizer state that holds the ``jamp.scaler`` state, anywhere inside it.
+
+    Returns:
+        A bool scalar array (one per replica for a replicated state); False after ``tx.init``.
+
+    Raises:
+        ValueError: when ``opt_state`` holds no scaler state, or more than one.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, jamp
+        >>> params = {"w": jnp.ones(3)}
+        >>> tx = jamp.scaler(optax.sgd(0.1))
+        >>> opt_state = tx.init(params)
+        >>> _, opt_state = tx.update({"w": jnp.array([1.0, jnp.inf, 0.0])}, opt_state, params)
+        >>> jamp.found_inf(opt_state), jamp.get_scale(opt_state)  # skipped, and the scale backed off
+        (Array(True, dtype=bool), Array(32768., dtype=float32))
+    """
     st = scaler_state.find(opt_state)
     return jnp.zeros((), jnp.bool_) if isinstance(st, DisabledScalerState) else jnp.asarray(st.found_inf)
 
@@ -111,6 +185,27 @@ def set_scale(opt_state: Any, new_scale: Any) -> Any:
     Like torch, the value is not range-checked; it may be a traced scalar. It must have one element (torch
     accepts a float or a one-element tensor); a replicated state gets it on every replica. A no-op when
     disabled.
+
+    Args:
+        opt_state: the optimizer state that holds the ``jamp.scaler`` state, anywhere inside it.
+        new_scale: the new scale: a Python number, or an array with one element (traced inside ``jax.jit``).
+
+    Returns:
+        A new ``opt_state`` whose scaler state has the new scale (``opt_state`` itself when disabled).
+
+    Raises:
+        ValueError: when ``new_scale`` has more than one element, or ``opt_state`` holds no scaler state or
+            more than one.
+        TypeError: when the arguments are swapped.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, jamp
+        >>> params = {"w": jnp.ones(3)}
+        >>> tx = jamp.scaler(optax.sgd(0.1))
+        >>> opt_state = tx.init(params)
+        >>> opt_state = jamp.set_scale(opt_state, 1024.0)
+        >>> jamp.get_scale(opt_state)
+        Array(1024., dtype=float32)
     """
     scaler_state.refuse_swapped(
         opt_state, new_scale, "jamp.set_scale(new_scale, opt_state)", "jamp.set_scale(opt_state, new_scale)"
@@ -127,15 +222,38 @@ def set_scale(opt_state: Any, new_scale: Any) -> Any:
 def value_and_grad(
     fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False
 ) -> Callable[..., tuple[Any, Any]]:
-    """``jax.value_and_grad`` of the scaled loss, returning the unscaled loss: a shorthand for differentiating
-    ``jamp.scale(loss, opt_state)`` with the loss as auxiliary output, the form the docs teach (Equinox and
-    NNX users call ``jamp.scale`` inside ``eqx.filter_value_and_grad``/``nnx.value_and_grad`` the same way).
+    """``jax.value_and_grad`` of the scaled loss, returning the unscaled loss.
+
+    A shorthand for differentiating ``jamp.scale(loss, opt_state)`` with the loss as auxiliary output, the
+    form the docs teach (Equinox and NNX users call ``jamp.scale`` inside
+    ``eqx.filter_value_and_grad``/``nnx.value_and_grad`` the same way).
 
     ``jamp.value_and_grad(loss_fn, argnums, has_aux)(opt_state, *args, **kwargs)`` returns
     ``(loss, scaled_grads)`` (``((loss, aux), scaled_grads)`` with ``has_aux``): ``loss`` is what
     ``loss_fn(*args, **kwargs)`` returned, in its own dtype, and ``scaled_grads`` are the gradients of
     ``jamp.scale(loss, opt_state)`` with respect to ``args[argnums]``, ready for the scaler's ``update``.
     ``argnums`` counts ``args`` only; ``opt_state`` is never differentiated.
+
+    Args:
+        fun: the loss function, ``fun(*args, **kwargs)``; it returns a scalar loss, or ``(loss, aux)`` with
+            ``has_aux``.
+        argnums: the position (or positions) in ``args`` of the arguments to differentiate, as in
+            ``jax.value_and_grad``.
+        has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+        A function ``(opt_state, *args, **kwargs) -> (loss, scaled_grads)`` (``((loss, aux), scaled_grads)``
+        with ``has_aux``). It raises a TypeError when its first argument holds no scaler state.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, jamp
+        >>> params = {"w": jnp.ones(3)}
+        >>> tx = jamp.scaler(optax.sgd(0.1))
+        >>> opt_state = tx.init(params)
+        >>> loss, grads = jamp.value_and_grad(lambda p: jnp.sum(p["w"] ** 2))(opt_state, params)
+        >>> loss, grads["w"]  # the loss as fun returned it; the gradients of the scaled loss
+        (Array(3., dtype=float32), Array([131072., 131072., 131072.], dtype=float32))
+        >>> updates, opt_state = tx.update(grads, opt_state, params)
     """
 
     def grads_of(opt_state: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:

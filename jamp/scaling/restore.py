@@ -53,12 +53,43 @@ def _added_field_paths(target: Any) -> set[tuple]:
 
 
 def from_restored(target: Any, restored: Any) -> Any:
-    """``target``'s structure (``{"params": params, "opt_state": tx.init(params)}``, or its ``jax.eval_shape``)
+    """A checkpoint restored without a target, put back into the structure it was saved from.
+
+    ``target``'s structure (``{"params": params, "opt_state": tx.init(params)}``, or its ``jax.eval_shape``)
     holding the values of ``restored``, what ``checkpointer.restore(path)`` returned without a target.
 
-    Each leaf must have the target's shape and dtype (a ValueError names the path otherwise) and is placed with
-    the target leaf's sharding when it has one. The skipped-steps fields of a scaler state that the checkpoint
+    orbax restores a checkpoint it is given no target for as nested dicts and lists (a NamedTuple such as
+    :class:`jamp.ScalerState` becomes a dict of its fields), and refuses a target whose structure differs
+    from the checkpoint's, as one saved by a jamp whose ``ScalerState`` lacked some fields does. Each leaf
+    must have the target's shape and dtype (a ValueError names the path otherwise) and is placed with the
+    target leaf's sharding when it has one. The skipped-steps fields of a scaler state that the checkpoint
     lacks (saved by an older jamp) are the target's (zeros where the target is a ``jax.eval_shape``).
+
+    Args:
+        target: a pytree of the structure to restore into, with arrays (or ``jax.ShapeDtypeStruct`` leaves)
+            of the shapes, dtypes and shardings wanted; typically the tree that was saved, built afresh.
+        restored: what the checkpointer restored without a target: nested dicts and lists holding arrays (a
+            NamedTuple as a dict of its fields, a tuple as a list or as a dict keyed by the index as a string).
+
+    Returns:
+        A pytree with ``target``'s structure holding ``restored``'s values as JAX arrays.
+
+    Raises:
+        ValueError: when ``restored`` has nothing at a path of ``target`` (other than the fields an older
+            jamp did not save), or a value of another shape or dtype.
+
+    Examples:
+        >>> import jax.numpy as jnp, numpy as np, optax, jamp
+        >>> params = {"w": jnp.ones(3)}
+        >>> tx = jamp.scaler(optax.sgd(0.1))
+        >>> target = {"params": params, "opt_state": tx.init(params)}
+        >>> restored = {  # as orbax restores it without a target: dicts of numpy arrays
+        ...     "params": {"w": np.full(3, 2.0, np.float32)},
+        ...     "opt_state": {**tx.init(params)._asdict(), "scale": np.float32(1024.0)},
+        ... }
+        >>> state = jamp.from_restored(target, restored)
+        >>> state["params"]["w"], type(state["opt_state"]).__name__, jamp.get_scale(state["opt_state"])
+        (Array([2., 2., 2.], dtype=float32), 'ScalerState', Array(1024., dtype=float32))
     """
     added = _added_field_paths(target)
     keystr = jax.tree_util.keystr

@@ -53,8 +53,26 @@ _LIBRARIES = ("jamp", "jax", "jaxlib", "flax", "equinox", "optax", "orbax", "che
 class SkippedStepsWarning(UserWarning):
     """``jamp.scaler`` skipped many updates in a row, or its scale fell below ``warn_below_scale``.
 
+    The host warns once per episode (a run of skips that reached ``warn_after_skips`` or took the scale
+    below ``warn_below_scale``), a step or a few after it starts, from the call that dispatches the next
+    step, or at once from :func:`jamp.report_skipped_steps`. The message says what happened, the likely
+    causes and how to find the op (:func:`jamp.find_overflow`). A ``-W error`` filter raises it there, so
+    ``except jamp.SkippedStepsWarning:`` can stop a run.
+
     Silence it with ``jamp.scaler(..., warn_after_skips=None, warn_below_scale=None)`` or
     ``warnings.filterwarnings("ignore", category=jamp.SkippedStepsWarning)``.
+
+    Examples:
+        >>> import warnings, jax.numpy as jnp, optax, jamp
+        >>> params = {"w": jnp.ones(3)}
+        >>> tx = jamp.scaler(optax.sgd(0.1), warn_after_skips=1)
+        >>> opt_state = tx.init(params)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always", jamp.SkippedStepsWarning)
+        ...     _, opt_state = tx.update({"w": jnp.full(3, jnp.inf)}, opt_state, params)
+        ...     jamp.report_skipped_steps(opt_state)
+        >>> [w.category.__name__ for w in caught if issubclass(w.category, jamp.SkippedStepsWarning)]
+        ['SkippedStepsWarning']
     """
 
 
@@ -137,7 +155,7 @@ def report_skipped_steps(opt_state: Any) -> None:
     Returns:
         None. Warns :class:`jamp.SkippedStepsWarning` once for each episode not reported yet.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, optax, jamp
         >>> tx = jamp.scaler(optax.adam(1e-3))
         >>> jamp.report_skipped_steps(tx.init({"w": jnp.ones(3)}))  # nothing skipped: no warning

@@ -32,6 +32,37 @@ class ScalerState(NamedTuple):
     ``growth_factor`` and ``backoff_factor`` are the IEEE-754 doubles of the Python floats as ``uint32[2]``
     (high word, low word): torch multiplies the scale by them in double precision, and JAX without x64 has
     no double. ``jamp.state_dict`` shows them as floats.
+
+    ``tx.init`` makes it and ``tx.update`` returns the next one; read it with :func:`jamp.get_scale`,
+    :func:`jamp.found_inf` and :func:`jamp.state_dict`. Every field is an array, so ``jit``, ``tree_map`` and
+    orbax carry all of it. The shapes below are one state's; a replicated state (``jax.pmap(tx.init)``) has
+    the replica axes in front of each.
+
+    Attributes:
+        scale: f32[]: the scale the next loss is multiplied by.
+        growth_tracker: i32[]: clean steps since the last growth or backoff (torch's ``_growth_tracker``).
+        growth_factor: u32[2]: the bits of the double ``growth_factor`` (high word, low word).
+        backoff_factor: u32[2]: the bits of the double ``backoff_factor`` (high word, low word).
+        growth_interval: i32[]: clean steps after which the scale grows.
+        min_scale: f32[]: backoff never goes below it (0: no floor, as torch).
+        max_scale: f32[]: growth never goes above it (inf: no ceiling, as torch).
+        found_inf: bool[]: the last update saw inf/NaN and was skipped.
+        consecutive_skips: i32[]: updates skipped in a row (0 after a step that was taken).
+        warned: bool[]: this run of skips started an episode (:class:`jamp.SkippedStepsWarning`); cleared
+            by a step taken.
+        skip_episodes: i32[]: episodes so far (runs of skips that reached a ``warn_*`` threshold); never
+            reset.
+        scaler_id: i32[]: the number of the ``jamp.scaler`` that made the state (creation order in the
+            process).
+        inner_state: the state of the optimizer the scaler wraps.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, jamp
+        >>> opt_state = jamp.scaler(optax.adam(1e-3)).init({"w": jnp.ones(3)})
+        >>> opt_state.scale, opt_state.growth_tracker, opt_state.found_inf
+        (Array(65536., dtype=float32), Array(0, dtype=int32), Array(False, dtype=bool))
+        >>> opt_state.inner_state[0].count  # Adam's state
+        Array(0, dtype=int32)
     """
 
     scale: jax.Array  # f32[]: the scale the next loss is multiplied by
@@ -52,7 +83,22 @@ class ScalerState(NamedTuple):
 
 
 class DisabledScalerState(NamedTuple):
-    """State of ``jamp.scaler(..., enabled=False)``: only the inner state; scale() is the identity."""
+    """State of ``jamp.scaler(..., enabled=False)``: only the inner state; scale() is the identity.
+
+    With it, ``jamp.scale`` and ``jamp.unscale`` return what they get, ``jamp.get_scale`` returns 1.0,
+    ``jamp.found_inf`` False and ``jamp.state_dict`` ``{}``; ``tx.update`` is the inner optimizer's.
+
+    Attributes:
+        inner_state: the state of the optimizer the scaler wraps.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, jamp
+        >>> opt_state = jamp.scaler(optax.adam(1e-3), enabled=False).init({"w": jnp.ones(3)})
+        >>> type(opt_state).__name__, opt_state.inner_state[0].count
+        ('DisabledScalerState', Array(0, dtype=int32))
+        >>> jamp.scale(jnp.float32(2.0), opt_state), jamp.get_scale(opt_state)
+        (Array(2., dtype=float32), Array(1., dtype=float32))
+    """
 
     inner_state: optax.OptState
 

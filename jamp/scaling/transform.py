@@ -140,21 +140,16 @@ def scaler(
     then either applies ``inner`` or returns zero updates with ``inner``'s state bit-identical, and moves
     the scale by torch's ``_amp_update_scale_`` rule (:mod:`jamp.scaling.rule`). Produce the scaled grads
     by differentiating ``jamp.scale(loss, opt_state)`` inside the function you take the gradient of.
-
-    ``backend`` picks the finite check (``jamp_kernels.has_nonfinite``): "auto" (one Pallas kernel launch over
-    all leaves on CUDA, XLA elsewhere: on a CPU elementwise loops over views of the gradients, see
-    ``jamp_kernels.xla.CHECK_OF_PLATFORM``), "xla", "pallas", "interpret"; the unscale is plain jnp that XLA
-    fuses into ``inner``. The skip is a select, not a ``lax.cond``, in the form that is fastest
-    on the platform the step is lowered for (see :mod:`jamp.scaling.skip`).
-    ``min_scale``/``max_scale`` are extras beyond torch, off by default. ``enabled=False`` applies ``inner``
-    on every step, validates nothing but ``inner``, and makes ``jamp.scale`` the identity.
+    The unscale is plain jnp that XLA fuses into ``inner``. The skip is a select, not a ``lax.cond``, in the
+    form that is fastest on the platform the step is lowered for (see :mod:`jamp.scaling.skip`).
 
     Beyond torch, which says nothing, the scaler warns (:class:`jamp.SkippedStepsWarning`, once per episode)
     when ``warn_after_skips`` updates in a row were skipped or a backoff takes the scale below
     ``warn_below_scale`` (:mod:`jamp.scaling.skip_episodes` says why 32 and 1.0); None turns a condition off.
     The step only counts episodes in its state, with no callback or conditional; the host reads the count when
-    the state is passed to a later step (:mod:`jamp.scaling.skip_report`). Gradients that were differentiated in the same jitted function
-    without ``jamp.scale`` get a :class:`jamp.UnscaledGradientsWarning` while tracing.
+    the state is passed to a later step (:mod:`jamp.scaling.skip_report`). Gradients that were differentiated
+    in the same jitted function without ``jamp.scale`` get a :class:`jamp.UnscaledGradientsWarning` while
+    tracing.
 
     Unlike torch, where several optimizers share one GradScaler and each skips on its own overflow, one
     jamp.scaler takes one decision: wrap ``optax.multi_transform`` to skip all groups together, or give
@@ -168,6 +163,55 @@ def scaler(
     which an overflow stops for good on optax 0.2.8. ``tx.update`` takes the *scaled* gradients: unscale only
     what you log (``jamp.unscale(grads, opt_state)``). jamp warns about each of these while tracing
     (:mod:`jamp.scaling.nesting`, :class:`jamp.UnscaledGradientsWarning`).
+
+    Args:
+        inner: the optax transformation the scaler guards (the optimizer); required.
+        *more: further transformations, chained after ``inner`` inside the scaler
+            (``jamp.scaler(optax.clip_by_global_norm(1.0), optax.adam(1e-3))``).
+        init_scale: the first scale, a finite float > 0 (rounded to float32, as torch), inside
+            ``[min_scale, max_scale]``.
+        growth_factor: what the scale is multiplied by after ``growth_interval`` clean steps, a finite
+            float > 1.0 (applied in double precision, as torch).
+        backoff_factor: what the scale is multiplied by on a step with inf/NaN, a float in (0, 1).
+        growth_interval: clean steps in a row after which the scale grows, an int >= 1.
+        enabled: False applies ``inner`` on every step, validates nothing but ``inner``, and makes
+            ``jamp.scale`` the identity (torch's ``GradScaler(enabled=False)``).
+        axis_name: None, or the ``pmap`` axis or ``shard_map`` mesh axes (a name or a tuple) the gradients
+            vary over: every replica then takes the same decision (torch's ShardedGradScaler). Under
+            ``jax.jit`` with sharded arrays leave it None.
+        backend: the finite check (``jamp_kernels.has_nonfinite``): "auto" (one Pallas kernel launch over
+            all leaves on CUDA, XLA elsewhere: on a CPU elementwise loops over views of the gradients, see
+            ``jamp_kernels.xla.CHECK_OF_PLATFORM``), "xla", "pallas", "interpret".
+        min_scale: None (no floor, as torch), or a finite float > 0 that a backoff never goes below; an
+            extra beyond torch.
+        max_scale: None (no ceiling, as torch), or a finite float > 0 that growth never goes above; an extra
+            beyond torch.
+        warn_after_skips: warn when this many updates in a row were skipped (an int >= 1), or None.
+        warn_below_scale: warn when a backoff takes the scale below this finite float > 0, or None.
+
+    Returns:
+        A :class:`jamp.ScalerTransformation`: ``init(params)`` makes a :class:`jamp.ScalerState`
+        (:class:`jamp.DisabledScalerState` when disabled) and ``update(scaled_grads, opt_state, params=None,
+        **extra)`` returns ``(updates, opt_state)``.
+
+    Raises:
+        TypeError: without ``inner``, for an argument that is not an optax transformation, a hyperparameter
+            of the wrong type (a bool, a string, a traced value), or under ``optax.inject_hyperparams``.
+        ValueError: for a hyperparameter out of its range, ``min_scale > max_scale``, or an unknown
+            ``backend``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, jamp
+        >>> params = {"w": jnp.ones(3)}
+        >>> tx = jamp.scaler(optax.sgd(0.1))
+        >>> opt_state = tx.init(params)
+        >>> def loss_fn(p):
+        ...     return jnp.sum(p["w"] ** 2)
+        >>> grads = jax.grad(lambda p: jamp.scale(loss_fn(p), opt_state))(params)  # scaled
+        >>> updates, opt_state = tx.update(grads, opt_state, params)
+        >>> updates["w"]  # -0.1 times the unscaled gradient 2.0
+        Array([-0.2, -0.2, -0.2], dtype=float32)
+        >>> params = optax.apply_updates(params, updates)
     """
     inner_tx = _check_inner(() if inner is None else (inner, *more))
     if not checked_bool("enabled", enabled):

@@ -37,8 +37,28 @@ SCALER_METHODS: dict[str, str] = {
 
 
 class ScalerTransformation(optax.GradientTransformationExtraArgs):
-    """What :func:`jamp.scaler` returns: an optax transformation whose missing attributes that are GradScaler
-    methods (``tx.step``, ``tx.scale``, ``tx.unscale_``) fail with the jamp form."""
+    """What :func:`jamp.scaler` returns: an optax transformation that answers torch's GradScaler methods.
+
+    Its missing attributes that are GradScaler methods (``tx.step``, ``tx.scale``, ``tx.unscale_``) fail with
+    the jamp form. It is an ``optax.GradientTransformationExtraArgs``: it goes wherever an optax optimizer goes
+    (``optax.MultiSteps``, ``nnx.Optimizer``, ...), and its ``update`` passes extra keyword arguments on to
+    the optimizer it wraps.
+
+    Attributes:
+        init: ``init(params)``: the first :class:`jamp.ScalerState` (a :class:`jamp.DisabledScalerState` when
+            the scaler is disabled).
+        update: ``update(scaled_grads, opt_state, params=None, **extra)``: ``(updates, new_opt_state)``; it
+            unscales, checks for inf/NaN, steps or skips the wrapped optimizer, and moves the scale.
+
+    Examples:
+        >>> import optax, jamp
+        >>> tx = jamp.scaler(optax.adam(1e-3))
+        >>> isinstance(tx, optax.GradientTransformationExtraArgs)
+        True
+        >>> tx.step  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        AttributeError: jamp.scaler(...).step: torch's scaler.step is updates, opt_state = tx.update(grads, ...
+    """
 
     __slots__ = ()
 

@@ -39,10 +39,32 @@ _MOST_TRACERS = 2_000_000  # the walk gives up (and claims nothing) past this ma
 
 
 class UnscaledGradientsWarning(UserWarning):
-    """``tx.update`` of a ``jamp.scaler`` got gradients that are not scaled: of a loss that ``jamp.scale`` did not
-    multiply, or already divided by the scale (``jamp.unscale``: for logging, not for ``tx.update``).
+    """``tx.update`` of a ``jamp.scaler`` got gradients that are not scaled.
+
+    They are the gradients of a loss that ``jamp.scale`` did not multiply, or gradients already divided by the
+    scale (``jamp.unscale``: for logging, not for ``tx.update``).
+
+    Gradients of an unscaled loss would come out of ``tx.update`` 65536 times too small at the default
+    ``init_scale``, and so would gradients divided twice. jamp warns while tracing (a compiled step runs
+    nothing for it), when ``tx.update`` is traced in the jitted function that differentiated the loss and
+    the dataflow shows either: no gradient depends on the scale, or one was computed after the backward
+    pass from a value that divides by it. Gradients computed elsewhere (another jitted function, eagerly)
+    are not judged.
 
     Filter it with ``warnings.filterwarnings("ignore", category=jamp.UnscaledGradientsWarning)``.
+
+    Examples:
+        >>> import warnings, jax, jax.numpy as jnp, optax, jamp
+        >>> params = {"w": jnp.ones(3)}
+        >>> tx = jamp.scaler(optax.sgd(0.1))
+        >>> def step(params, opt_state):
+        ...     grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2))(params)  # jamp.scale forgotten
+        ...     return tx.update(grads, opt_state, params)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always", jamp.UnscaledGradientsWarning)
+        ...     _ = jax.eval_shape(step, params, tx.init(params))  # traces, as jax.jit does
+        >>> [w.category.__name__ for w in caught if issubclass(w.category, jamp.UnscaledGradientsWarning)]
+        ['UnscaledGradientsWarning']
     """
 
 

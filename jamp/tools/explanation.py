@@ -21,7 +21,33 @@ from jamp.tools.sources import fitted_source
 
 @dataclasses.dataclass(frozen=True)
 class OpRecord:
-    """One equation of the rewritten program."""
+    """One equation of the rewritten program: a row of :class:`jamp.Report`.
+
+    Attributes:
+        primitive: the primitive's name ("dot_general").
+        source: the user's line that made the equation, as ``file:line (function)``.
+        path: the name scopes, flax module path and jit names around it, joined by "/" ("" at the top).
+        traced_dtypes: the input dtypes as the function was traced.
+        arrived_dtypes: the input dtypes that reached the equation under autocast.
+        ran_dtypes: the input dtypes the primitive ran on, after jamp's casts.
+        accumulated_in: "float32" for a float16/bfloat16 sum that accumulated in float32, else "".
+        out_dtypes: the output dtypes under autocast.
+        traced_out_dtypes: the output dtypes as the function was traced.
+        category: the policy's category of the primitive ("lower", "float32", "promote", ...).
+        rule: the rule that ran (after region modes).
+        mode: the region mode in force ("autocast" outside any region rule).
+        casts: how many inputs jamp cast for this equation.
+        flops: multiply-adds x 2 for matmuls and convolutions, else 0.
+        out_bytes: bytes of the floating outputs under autocast.
+        traced_out_bytes: bytes of the floating outputs as traced.
+
+    Examples:
+        >>> import jax.numpy as jnp, jamp
+        >>> report = jamp.explain(lambda a, b: a @ b, device_type="gpu")(jnp.ones((2, 3)), jnp.ones((3, 4)))
+        >>> row = report.rows[0]
+        >>> row.primitive, row.traced_dtypes, row.ran_dtypes, row.rule, row.casts, row.flops
+        ('dot_general', ('float32', 'float32'), ('float16', 'float16'), 'lower', 2, 48)
+    """
 
     primitive: str
     source: str  # user file:line (function)
@@ -42,10 +68,12 @@ class OpRecord:
 
     @property
     def low_precision(self) -> bool:
+        """Whether the primitive ran on a float16, bfloat16 or float8 input."""
         return self.float8 or any(d in ("float16", "bfloat16") for d in self.ran_dtypes)
 
     @property
     def float8(self) -> bool:
+        """Whether the primitive ran on a float8 input."""
         return any(d.startswith("float8") for d in self.ran_dtypes)
 
 
@@ -115,12 +143,31 @@ COLUMNS = ("primitive", "ran_dtypes", "out_dtypes", "traced_dtypes", "rule", "ca
 
 @dataclasses.dataclass
 class Report:
-    """The result of :func:`explain`: ``rows`` (one per equation touching a float) and ``summary``."""
+    """The result of :func:`explain`: ``rows`` (one per equation touching a float) and ``summary``.
+
+    ``print(report)`` shows a table by module path and the summary (:meth:`to_text`); :meth:`table` gives
+    a ``rich`` table, :meth:`to_dicts` and :meth:`to_csv` the rows as data.
+
+    Attributes:
+        rows: one :class:`jamp.OpRecord` per equation that takes or makes a floating value, in evaluation
+            order (sub-jaxprs included).
+        summary: totals over the rows: equations, matmuls and convolutions (how many, how many in low
+            precision, their share of the flops in low precision and in float8), casts inserted, and the
+            activation bytes saved against the program as traced.
+
+    Examples:
+        >>> import jax.numpy as jnp, jamp
+        >>> report = jamp.explain(lambda a, b: a @ b, device_type="gpu")(jnp.ones((2, 3)), jnp.ones((3, 4)))
+        >>> report.summary
+        {'equations': 1, 'matmul_conv_count': 1, 'matmul_conv_low_precision': 1, 'low_precision_flop_share': 1.0, 'float8_flop_share': 0.0, 'casts_inserted': 2, 'activation_bytes_saved': 16}
+    """
 
     rows: list[OpRecord]
 
     @property
     def summary(self) -> dict[str, Any]:
+        """Totals over :attr:`rows`: equations, matmuls and convolutions (count, in low precision, low-precision
+        and float8 share of their flops), casts inserted, activation bytes saved."""
         matmuls = [r for r in self.rows if r.flops]
         total = sum(r.flops for r in matmuls)
         return {
@@ -134,12 +181,14 @@ class Report:
         }
 
     def to_dicts(self) -> list[dict[str, Any]]:
+        """The rows as dicts of the :class:`jamp.OpRecord` fields, tuples of dtypes joined by ", "."""
         return [
             {k: (", ".join(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(r).items()}
             for r in self.rows
         ]
 
     def to_csv(self) -> str:
+        """The rows as CSV text, a header of the :class:`jamp.OpRecord` fields and a line per row."""
         buf = io.StringIO()
         dicts = self.to_dicts()
         writer = csv.DictWriter(buf, fieldnames=list(dicts[0]) if dicts else list(OpRecord.__annotations__))
@@ -250,8 +299,29 @@ def _touches_float(r: OpRecord) -> bool:
 
 
 def explain(fun: Callable, **autocast_kwargs) -> Callable[..., Report]:
-    """``explain(f, dtype=...)(*args)``: the decisions :func:`jamp.autocast` makes for ``f`` on these
-    arguments, one row per equation (sub-jaxprs included) with its source line and module path."""
+    """What ran in which dtype under :func:`jamp.autocast`, where in the user's code, and which rule decided it.
+
+    ``explain(f, dtype=...)(*args)``: the decisions :func:`jamp.autocast` makes for ``f`` on these
+    arguments, one row per equation (sub-jaxprs included) with its source line and module path.
+
+    The function is traced and rewritten as ``jamp.autocast(f, **autocast_kwargs)`` would, without running
+    it; each equation that takes or makes a floating value becomes a :class:`jamp.OpRecord`: the dtypes it
+    was traced with and ran on, the policy's category and the rule that decided, the casts jamp inserted.
+
+    Args:
+        fun: the function to explain, as given to :func:`jamp.autocast`.
+        **autocast_kwargs (Any): the options of :func:`jamp.autocast` (``dtype``, ``device_type``, ``policy``,
+            ``enabled``, ``static_argnums``, ...), as the run to explain has them.
+
+    Returns:
+        A function that takes ``fun``'s arguments and returns the :class:`jamp.Report`.
+
+    Examples:
+        >>> import jax.numpy as jnp, jamp
+        >>> report = jamp.explain(lambda a, b: a @ b, device_type="gpu")(jnp.ones((2, 3)), jnp.ones((3, 4)))
+        >>> [(row.primitive, row.ran_dtypes) for row in report.rows]  # the matmul ran in float16
+        [('dot_general', ('float16', 'float16'))]
+    """
 
     def run(*args, **kwargs) -> Report:
         recorder = Recorder()

@@ -65,7 +65,33 @@ _COPIES = frozenset(
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    """The first op where autocast broke what float32 computes."""
+    """The first op where autocast broke what float32 computes: what :func:`jamp.find_overflow` returns.
+
+    ``str(finding)`` is one line: the kind, the primitive, the user's line, how many elements, and the
+    largest magnitude float32 computes there.
+
+    Attributes:
+        kind: "overflow" (inf/NaN where float32 is finite) or "underflow" (flushed to zero where float32 is
+            not).
+        primitive: the primitive's name ("dot_general").
+        source: the user's line that made the op, as ``file:line (function)``.
+        path: the name scopes, flax module path and jit names around it, joined by "/" ("" at the top).
+        op_index: the op's position in evaluation order (sub-jaxprs included), from 1.
+        input_dtypes: the dtypes of its inputs under autocast.
+        output_dtype: the dtype of the bad output.
+        bad_elements: how many elements of that output are bad.
+        total_elements: how many elements it has.
+        float32_max_abs: the largest finite ``|value|`` float32 computes there: compare it with the dtype's
+            range (65504 for float16).
+
+    Examples:
+        >>> import jax.numpy as jnp, jamp
+        >>> finding = jamp.find_overflow(lambda a: a @ a, device_type="gpu")(jnp.full((2, 2), 300.0))
+        >>> finding.kind, finding.primitive, finding.output_dtype
+        ('overflow', 'dot_general', 'float16')
+        >>> finding.bad_elements, finding.total_elements, finding.float32_max_abs  # 2 * 300 * 300
+        (4, 4, 180000.0)
+    """
 
     kind: str  # "overflow" (inf/NaN) or "underflow" (flushed to zero)
     primitive: str
@@ -264,12 +290,40 @@ def _compile(closed: jc.ClosedJaxpr, dynamic: list, ctx: Context, min_underflow:
 def find_overflow(
     fun: Callable, *, min_underflow: float = 0.01, **autocast_kwargs: Any
 ) -> Callable[..., Finding | None]:
-    """``find_overflow(f, dtype=...)(*args)``: the first op of ``jamp.autocast(f)`` whose result is
+    """The first op whose low-precision result is inf/NaN (or underflows to zero) where float32's is fine.
+
+    ``find_overflow(f, dtype=...)(*args)``: the first op of ``jamp.autocast(f)`` whose result is
     inf/NaN where float32's is finite, or (with ``min_underflow`` < 1) that flushes at least that
     fraction of its nonzero values to zero; ``None`` if there is none. jit/checkpoint/custom_jvp/
     custom_vjp bodies are entered; loops run whole. The comparison is compiled once per argument
     signature and kept, so checking every N training steps costs one run each time. For a training
-    step pass ``jax.value_and_grad(loss)`` to check the backward pass too."""
+    step pass ``jax.value_and_grad(loss)`` to check the backward pass too.
+
+    Both programs are traced into one jitted function that returns, for every compared op, the counts of
+    its bad elements: a call costs about the two forward passes plus one reduction per op. Each op rounds
+    to its own dtype, as when it runs alone.
+
+    Args:
+        fun: the function to check, as given to :func:`jamp.autocast`.
+        min_underflow: the fraction (in [0, 1]) of an op's nonzero float32 values that must flush to zero
+            in float16/bfloat16 for an underflow to be reported; 1 reports overflows only.
+        **autocast_kwargs: the options of :func:`jamp.autocast` (``dtype``, ``device_type``, ``policy``,
+            ...), as the run to check has them.
+
+    Returns:
+        A function that takes ``fun``'s arguments and returns the first :class:`jamp.Finding`, or None.
+
+    Raises:
+        ValueError: for a ``min_underflow`` outside [0, 1].
+
+    Examples:
+        >>> import jax.numpy as jnp, jamp
+        >>> check = jamp.find_overflow(lambda a: a @ a, device_type="gpu")
+        >>> check(jnp.ones((2, 2))) is None  # nothing overflows
+        True
+        >>> check(jnp.full((2, 2), 300.0)).kind  # 2 * 300 * 300 is beyond float16's 65504
+        'overflow'
+    """
     if not 0 <= min_underflow <= 1:
         raise ValueError(f"min_underflow={min_underflow!r} must be in [0, 1] (1 disables underflow reports)")
     amp = autocast(fun, **autocast_kwargs)
