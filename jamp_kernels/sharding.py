@@ -114,11 +114,20 @@ def _custom_partitioned(fn: LeafFn, inv: jax.Array | None, leaves: list, writes:
     return outs, found
 
 
+def _types_show_shardings(leaves: list) -> bool:
+    """Whether the leaves' types hold their shardings (explicit mesh axes): then a spec that splits nothing
+    means a replicated leaf, which ``fn`` can read whole."""
+    mesh = jax.typeof(leaves[0]).sharding.mesh
+    return any(axis_type == jax.sharding.AxisType.Explicit for axis_type in getattr(mesh, "axis_types", ()))
+
+
 def shard_local(fn: LeafFn, inv: jax.Array | None, leaves: list, *, writes: bool = True) -> tuple[list, jax.Array]:
     """``fn(inv, leaves)`` evaluated per shard, never on gathered gradients; the flag covers every shard.
     ``writes=False``: ``fn`` returns no per-leaf outputs (a check that only reads)."""
     if any(_is_split(jax.typeof(g).sharding.spec) for g in leaves):
         return _shard_map(fn, inv, leaves, writes)
+    if _types_show_shardings(leaves):
+        return fn(inv, leaves)  # replicated under explicit axes (custom_partitioning fails there on jax 0.12)
     return _custom_partitioned(fn, inv, leaves, writes)
 
 
