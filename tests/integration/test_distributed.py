@@ -427,9 +427,34 @@ def digest(shard_index):
     return h.hexdigest()
 
 
+# The skipped-steps report across processes: process 1's data overflows three steps in a row (an episode with
+# warn_after_skips=2); every process skips them, and each process's host reports the episode once.
+import warnings
+tx2 = jamp.scaler(optax.adam(1e-2), init_scale=2.0**12, warn_after_skips=2, warn_below_scale=None)
+state = jax.jit(tx2.init, out_shardings=replicated)(params)
+OVERFLOW = {(1, 8), (1, 9), (1, 10)}
+
+
+@jax.jit
+def episode_step(p, s, x, y):
+    grads = jax.grad(lambda p: jamp.scale(loss_fn(p, x, y), s))(p)
+    updates, s = tx2.update(grads, s, p)
+    return optax.apply_updates(p, updates), s
+
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for step in range(8, 11):
+        x, y = (jax.make_array_from_process_local_data(batch, a) for a in local_batch(step))
+        params, state = episode_step(params, state, x, y)
+    jamp.report_skipped_steps(state)
+reports = [str(w.message)[:45] for w in caught if w.category is jamp.SkippedStepsWarning]
+
 print(json.dumps({"process": jax.process_index(), "devices": jax.device_count(), "skipped": skipped,
                   "scales": scales, "digests": [digest(i) for i in range(jax.local_device_count())],
-                  "finite": bool(np.all(np.isfinite(np.asarray(params["w"].addressable_shards[0].data))))}))
+                  "finite": bool(np.all(np.isfinite(np.asarray(params["w"].addressable_shards[0].data)))),
+                  "episode_skips": int(np.asarray(state.consecutive_skips.addressable_shards[0].data)),
+                  "reports": reports}))
 jax.distributed.shutdown()
 """
 
@@ -504,6 +529,11 @@ def test_every_process_skips_the_steps_where_one_process_overflowed(workers):
     assert workers[0]["scales"] == workers[1]["scales"] == [4096, 8192, 4096, 4096, 8192, 4096, 4096, 8192]
 
 
+def test_every_process_skips_an_episode_and_reports_it_once(workers):
+    assert [r["episode_skips"] for r in workers] == [3, 3]
+    assert [r["reports"] for r in workers] == [["jamp.scaler: 3 update(s) in a row were skippe"]] * 2
+
+
 def test_every_process_ends_with_identical_parameters_and_scale(workers):
     digests = {d for r in workers for d in r["digests"]}
     assert len(digests) == 1 and all(r["finite"] for r in workers)
@@ -549,3 +579,4 @@ def test_example_runs(script, expected, overflow_step):
     skipped = [json.loads(m) for m in re.findall(r"skipped steps: (\[[\d, ]*\])", out)]
     assert skipped and all(overflow_step in steps for steps in skipped), out
     assert "final loss:" in out, out
+
