@@ -7,6 +7,7 @@ import csv
 import dataclasses
 import io
 import math
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from jamp import _jax_compat as jc
 from jamp.casting import accumulation, oplists
 from jamp.casting.call import MATMUL_LIKE, Call
+from jamp.casting.observation import COND, SCAN, SHARD_MAP, WHILE, Observer
 from jamp.casting.transform import autocast
 from jamp.tools.sources import fitted_source
 
@@ -36,9 +38,13 @@ class OpRecord:
     rule: str  # the rule that ran (after region modes)
     mode: str  # the region mode in force
     casts: int  # inputs jamp cast for this equation
-    flops: int  # multiply-adds x 2 for matmuls and convolutions, else 0
+    flops: int  # multiply-adds x 2 for matmuls and convolutions, times repeats; else 0
     out_bytes: int
     traced_out_bytes: int
+    # times it runs per call, as far as the program says: the product of the enclosing scans' lengths (and
+    # shard_maps' devices); a while loop's body counts once (its trip count is known only when it runs)
+    repeats: int = 1
+    scope: str = ""  # the loops, branches and shard_maps around it: "scan length 3 > cond branch 1", "while"
 
     @property
     def low_precision(self) -> bool:
@@ -75,14 +81,32 @@ def _nbytes(avals_or_values) -> int:
     )
 
 
-class Recorder:
+# How each scope reads in OpRecord.scope.
+_SCOPE_WORDS = {
+    SCAN: lambda s: f"scan length {s.count}",
+    WHILE: lambda s: "while",
+    COND: lambda s: f"cond branch {s.index}",
+    SHARD_MAP: lambda s: f"shard_map on {s.count} device{'s' if s.count != 1 else ''}",
+}
+
+
+def _repeats(scope: tuple) -> int:
+    """Runs per call: scans run their body ``length`` times, shard_maps on every device; a while loop's
+    trip count is unknown (its body counts once), a cond's branch counts as if it ran."""
+    return math.prod(s.count for s in scope if s.kind in (SCAN, SHARD_MAP))
+
+
+class Recorder(Observer):
     """Collects an OpRecord for every equation the interpreter evaluates. Hashed by identity."""
 
     def __init__(self):
+        super().__init__()
         self.records: list[OpRecord] = []
 
     def record(self, call: Call, effective: str, outs: list) -> None:
-        eqn = call.eqn
+        super().record(call, effective, outs)
+        eqn, scope = call.eqn, call.ctx.scope
+        repeats = _repeats(scope)
         ran = call.bound if call.bound is not None else call.invals
         self.records.append(
             OpRecord(
@@ -103,9 +127,11 @@ class Recorder:
                 rule=effective,
                 mode=call.ctx.mode,
                 casts=sum(getattr(a, "dtype", None) != getattr(b, "dtype", None) for a, b in zip(call.invals, ran)),
-                flops=_flops(eqn),
+                flops=_flops(eqn) * repeats,
                 out_bytes=_nbytes(outs),
                 traced_out_bytes=_nbytes([v.aval for v in eqn.outvars]),
+                repeats=repeats,
+                scope=" > ".join(_SCOPE_WORDS[s.kind](s) for s in scope),
             )
         )
 
@@ -131,6 +157,8 @@ class Report:
             "float8_flop_share": (sum(r.flops for r in matmuls if r.float8) / total) if total else 0.0,
             "casts_inserted": sum(r.casts for r in self.rows),
             "activation_bytes_saved": sum(r.traced_out_bytes - r.out_bytes for r in self.rows),
+            # rows in a while loop's body: their FLOPs count one iteration
+            "equations_in_while_loops": sum("while" in r.scope.split(" > ") for r in self.rows),
         }
 
     def to_dicts(self) -> list[dict[str, Any]]:
@@ -197,10 +225,10 @@ class Report:
 
         console = Console(file=io.StringIO(), width=width or (10_000 if full else 120), color_system=None)
         console.print(self.table(full=full))
-        console.print(
-            ", ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in self.summary.items()),
-            width=width or 120,
-        )
+        items = (f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in self.summary.items())
+        # lines break between the items, never inside one
+        lines = textwrap.wrap(", ".join(i.replace(" ", "\xa0") for i in items), width=width or 120)
+        console.print("\n".join(line.replace("\xa0", " ") for line in lines), width=width or 120)
         if not full:
             console.print("report.to_text(full=True) lists every equation.")
         return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines()) + "\n"
@@ -250,8 +278,28 @@ def _touches_float(r: OpRecord) -> bool:
 
 
 def explain(fun: Callable, **autocast_kwargs) -> Callable[..., Report]:
-    """``explain(f, dtype=...)(*args)``: the decisions :func:`jamp.autocast` makes for ``f`` on these
-    arguments, one row per equation (sub-jaxprs included) with its source line and module path."""
+    """The decisions :func:`jamp.autocast` makes for ``fun`` on given arguments, one row per equation.
+
+    Every body autocast enters is listed too (jit, checkpoint, custom derivatives, lower_precision calls,
+    scan, while and cond bodies, shard_map bodies), each row with its source line, module path and the
+    loops and branches around it. FLOPs count what runs: a scan body's rows count ``length`` times
+    (``OpRecord.repeats``), a shard_map body's once per device, a while loop's body once (its trip count
+    is known only when it runs: ``Report.summary["equations_in_while_loops"]``), every cond branch once.
+
+    Args:
+      fun: the function to explain, as for :func:`jamp.autocast`.
+      **autocast_kwargs: ``dtype``, ``device_type``, ``policy``, ... as for :func:`jamp.autocast`.
+
+    Returns:
+      A function taking ``fun``'s arguments and returning a :class:`Report` (nothing is run or compiled).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jamp
+      >>> ws, x = jnp.ones((3, 16, 16)), jnp.ones((8, 16))
+      >>> layers = lambda ws, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+      >>> [(r.repeats, r.flops) for r in jamp.explain(layers, dtype="bf16")(ws, x).rows if r.flops]
+      [(3, 12288)]
+    """
 
     def run(*args, **kwargs) -> Report:
         recorder = Recorder()
