@@ -27,7 +27,7 @@ import numpy as np
 from jamp import _jax_compat as jc
 from jamp.casting.call import Context
 from jamp.casting.interpreter import evaluate
-from jamp.casting.observation import COND, SCAN, SHARD_MAP, Frame
+from jamp.casting.observation import COND, SCAN, SHARD_MAP, WHILE, Frame
 from jamp.casting.transform import autocast
 from jamp.tools.comparison import Comparison, Site
 from jamp.tools.sources import short_source
@@ -76,9 +76,18 @@ class Finding:
         )
 
 
+# Per scope with a level in a report: the Finding field the level fills, and how it reads. A cond has none
+# (its branch is the site's own), a shard_map's devices run at once (they order only among equals).
+_LEVELS = {
+    SCAN: ("iteration", lambda s, i: f"iteration {i} of scan (length {s.count}{', reversed' if s.reverse else ''})"),
+    WHILE: ("iteration", lambda s, i: f"iteration {i} of while loop"),
+    SHARD_MAP: ("device", lambda s, i: f"device {i} of shard_map"),
+}
+
+
 def _where(site: Site, levels) -> tuple[tuple, dict]:
     """(order key, Finding fields) of a site's report with these levels: a loop body's reports order by
-    iteration, then by op; devices run at once, and the lowest comes first among equals."""
+    iteration, then by op; among equals the lowest device comes first."""
     key, devices, fields, words = [], [], {"iteration": [], "branch": [], "device": []}, []
     found = iter(levels)
     for scope in site.scope:
@@ -86,23 +95,15 @@ def _where(site: Site, levels) -> tuple[tuple, dict]:
             fields["branch"].append(scope.index)
             words.append(f"branch {scope.index} of cond")
             continue
-        level = int(next(found))
-        key += [scope.position, level if scope.kind != SHARD_MAP else 0]
-        if scope.kind == SHARD_MAP:
-            devices.append(level)
-            fields["device"].append(level)
-            words.append(f"device {level} of shard_map")
-        elif scope.kind == SCAN:
-            index = scope.count - 1 - level if scope.reverse else level
-            fields["iteration"].append(index)
-            words.append(f"iteration {index} of scan (length {scope.count}{', reversed' if scope.reverse else ''})")
-        else:
-            fields["iteration"].append(level)
-            words.append(f"iteration {level} of while loop")
-    return (*key, site.op_index, *devices), {
-        **{k: tuple(v) for k, v in fields.items()},
-        "scope": ", ".join(words),
-    }
+        level = int(next(found))  # a reversed scan's step counts from its last element
+        index = scope.count - 1 - level if scope.reverse else level
+        field, say = _LEVELS[scope.kind]
+        fields[field].append(index)
+        words.append(say(scope, index))
+        parallel = scope.kind == SHARD_MAP
+        key += [scope.position, 0 if parallel else level]
+        devices += [level] if parallel else []
+    return (*key, site.op_index, *devices), {**{k: tuple(v) for k, v in fields.items()}, "scope": ", ".join(words)}
 
 
 def _first_finding(sites: list[Site], reports: np.ndarray, payload: int) -> Finding | None:
