@@ -23,6 +23,8 @@ from jax._src.util import weakref_lru_cache
 from jax.extend import core as jcore
 from jax.extend import linear_util as lu
 
+from jamp._jax_compat_loops import *  # noqa: F403 (scan, while and shard_map parameters, re-exported)
+
 try:  # jax >= 0.11: FlatTree moved to its own module, with a module-level flatten
     from jax._src.flattree import flatten as _flat_tree
 except ImportError:  # jax 0.10
@@ -205,10 +207,12 @@ def join_bwd_result(cts: list, logs: Any):
 
 
 def shard_map_body(out_specs, body):
-    """Wrap ``body(*args) -> list`` into the subfun form ``shard_map_p.bind`` expects."""
+    """Wrap ``body(*args) -> list`` into the subfun form ``shard_map_p.bind`` expects; ``out_specs`` may be a
+    function, called after ``body`` (which may decide how many outputs there are)."""
 
     def subfun(*args):
-        return _flat_tree(body(*args)).with_aux(out_specs)
+        outs = body(*args)
+        return _flat_tree(outs).with_aux(out_specs() if callable(out_specs) else out_specs)
 
     return subfun
 

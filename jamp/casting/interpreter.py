@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jamp import _jax_compat as jc
 from jamp.casting import portable_dots, regions
 from jamp.casting.call import MATMUL_LIKE, Call, Context, Env, cast_outputs
+from jamp.casting.observation import Frame
 from jamp.casting.policy import OFF, Policy
 
 # Equations whose output keeps the "size before broadcast" of their input (bias detection).
@@ -26,11 +27,14 @@ _BROADCAST_LIKE = ("broadcast_in_dim", "reshape", "convert_element_type")
 _REARRANGING = ("reshape", "squeeze", "expand_dims", "transpose")
 
 
-def evaluate(jaxpr: jc.Jaxpr, consts, args, ctx: Context) -> list:
+def evaluate(jaxpr: jc.Jaxpr, consts, args, ctx: Context, frame: Frame | None = None) -> list:
+    """The outputs of ``jaxpr`` on ``args``, every equation bound under its rule; an observer in ``ctx``
+    records each, in ``frame`` (a fresh one without shadows by default: :mod:`jamp.casting.observation`)."""
     from jamp.casting.rules import (
         select_rule,  # the higher-order rules import this module
     )
 
+    frame = Frame(ctx.recorder) if frame is None else frame
     env = Env(ctx.cache_enabled)
     env.write(jaxpr.constvars, consts)
     env.write(jaxpr.invars, args)
@@ -38,7 +42,7 @@ def evaluate(jaxpr: jc.Jaxpr, consts, args, ctx: Context) -> list:
         comps = regions.components(jc.name_stack_str(eqn))
         eqn_ctx = ctx.descend(comps)
         rule, effective = select_rule(eqn, eqn_ctx)
-        call = Call(eqn, [env.read(v) for v in eqn.invars], eqn_ctx, env, comps)
+        call = Call(eqn, [env.read(v) for v in eqn.invars], eqn_ctx, env, comps, frame=frame)
         with jc.user_context(eqn), eqn.ctx.manager:
             outs = rule(call)
         outs = outs if eqn.primitive.multiple_results else [outs]
@@ -64,16 +68,26 @@ def trace_jaxpr(closed: jc.ClosedJaxpr, in_avals: tuple, ctx: Context, out_dtype
     return jax.make_jaxpr(run)(*in_avals)
 
 
-# Re-trace ``closed`` through the interpreter; ``out_dtypes`` pins the output dtypes
-# (boundary-preserving rules) or ``None`` lets them follow the rules (dtype-propagating rules).
-retrace = jc.weakref_lru_cache(trace_jaxpr)
+_cached = jc.weakref_lru_cache(trace_jaxpr)
+
+
+def retrace(closed: jc.ClosedJaxpr, in_avals: tuple, ctx: Context, out_dtypes: tuple | None) -> jc.ClosedJaxpr:
+    """``closed`` re-traced through the interpreter; ``out_dtypes`` pins the output dtypes (boundary-preserving
+    rules) or ``None`` lets them follow the rules (dtype-propagating rules). Cached, except where an observer
+    watches: it sees every body it meets, a second call of one included."""
+    return (_cached if ctx.recorder is None else trace_jaxpr)(closed, in_avals, ctx, out_dtypes)
 
 
 def _trace_open(jaxpr: jc.Jaxpr, in_avals: tuple, ctx: Context) -> jc.ClosedJaxpr:
     return trace_jaxpr(jc.ClosedJaxpr(jaxpr, ()), in_avals, ctx, None)
 
 
-retrace_open = jc.weakref_lru_cache(_trace_open)
+_cached_open = jc.weakref_lru_cache(_trace_open)
+
+
+def retrace_open(jaxpr: jc.Jaxpr, in_avals: tuple, ctx: Context) -> jc.ClosedJaxpr:
+    """:func:`retrace` for an open jaxpr (remat's body)."""
+    return (_cached_open if ctx.recorder is None else _trace_open)(jaxpr, in_avals, ctx)
 
 
 # Every equation bound as the program recorded it (region mode ``off``; a policy without region rules, so

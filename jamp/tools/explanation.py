@@ -7,6 +7,7 @@ import csv
 import dataclasses
 import io
 import math
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from jamp import _jax_compat as jc
 from jamp.casting import accumulation, oplists
 from jamp.casting.autocast import autocast
 from jamp.casting.call import MATMUL_LIKE, Call
+from jamp.casting.observation import COND, SCAN, SHARD_MAP, WHILE, Observer
 from jamp.tools.sources import fitted_source
 
 
@@ -62,9 +64,13 @@ class OpRecord:
     rule: str  # the rule that ran (after region modes)
     mode: str  # the region mode in force
     casts: int  # inputs jamp cast for this equation
-    flops: int  # multiply-adds x 2 for matmuls and convolutions, else 0
+    flops: int  # multiply-adds x 2 for matmuls and convolutions, times repeats; else 0
     out_bytes: int
     traced_out_bytes: int
+    # times it runs per call, as far as the program says: the product of the enclosing scans' lengths (and
+    # shard_maps' devices); a while loop's body counts once (its trip count is known only when it runs)
+    repeats: int = 1
+    scope: str = ""  # the loops, branches and shard_maps around it: "scan length 3 > cond branch 1", "while"
 
     @property
     def low_precision(self) -> bool:
@@ -103,14 +109,32 @@ def _nbytes(avals_or_values) -> int:
     )
 
 
-class Recorder:
+# How each scope reads in OpRecord.scope.
+_SCOPE_WORDS = {
+    SCAN: lambda s: f"scan length {s.count}",
+    WHILE: lambda s: "while",
+    COND: lambda s: f"cond branch {s.index}",
+    SHARD_MAP: lambda s: f"shard_map on {s.count} device{'s' if s.count != 1 else ''}",
+}
+
+
+def _repeats(scope: tuple) -> int:
+    """Runs per call: scans run their body ``length`` times, shard_maps on every device; a while loop's
+    trip count is unknown (its body counts once), a cond's branch counts as if it ran."""
+    return math.prod(s.count for s in scope if s.kind in (SCAN, SHARD_MAP))
+
+
+class Recorder(Observer):
     """Collects an OpRecord for every equation the interpreter evaluates. Hashed by identity."""
 
     def __init__(self):
+        super().__init__()
         self.records: list[OpRecord] = []
 
     def record(self, call: Call, effective: str, outs: list) -> None:
-        eqn = call.eqn
+        super().record(call, effective, outs)
+        eqn, scope = call.eqn, call.ctx.scope
+        repeats = _repeats(scope)
         ran = call.bound if call.bound is not None else call.invals
         self.records.append(
             OpRecord(
@@ -131,9 +155,11 @@ class Recorder:
                 rule=effective,
                 mode=call.ctx.mode,
                 casts=sum(getattr(a, "dtype", None) != getattr(b, "dtype", None) for a, b in zip(call.invals, ran)),
-                flops=_flops(eqn),
+                flops=_flops(eqn) * repeats,
                 out_bytes=_nbytes(outs),
                 traced_out_bytes=_nbytes([v.aval for v in eqn.outvars]),
+                repeats=repeats,
+                scope=" > ".join(_SCOPE_WORDS[s.kind](s) for s in scope),
             )
         )
 
@@ -178,6 +204,8 @@ class Report:
             "float8_flop_share": (sum(r.flops for r in matmuls if r.float8) / total) if total else 0.0,
             "casts_inserted": sum(r.casts for r in self.rows),
             "activation_bytes_saved": sum(r.traced_out_bytes - r.out_bytes for r in self.rows),
+            # rows in a while loop's body: their FLOPs count one iteration
+            "equations_in_while_loops": sum("while" in r.scope.split(" > ") for r in self.rows),
         }
 
     def to_dicts(self) -> list[dict[str, Any]]:
@@ -246,10 +274,10 @@ class Report:
 
         console = Console(file=io.StringIO(), width=width or (10_000 if full else 120), color_system=None)
         console.print(self.table(full=full))
-        console.print(
-            ", ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in self.summary.items()),
-            width=width or 120,
-        )
+        items = (f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in self.summary.items())
+        # lines break between the items, never inside one
+        lines = textwrap.wrap(", ".join(i.replace(" ", "\xa0") for i in items), width=width or 120)
+        console.print("\n".join(line.replace("\xa0", " ") for line in lines), width=width or 120)
         if not full:
             console.print("report.to_text(full=True) lists every equation.")
         return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines()) + "\n"
@@ -302,7 +330,12 @@ def explain(fun: Callable, **autocast_kwargs) -> Callable[..., Report]:
     """What ran in which dtype under :func:`jamp.autocast`, where in the user's code, and which rule decided it.
 
     ``explain(f, dtype=...)(*args)``: the decisions :func:`jamp.autocast` makes for ``f`` on these
-    arguments, one row per equation (sub-jaxprs included) with its source line and module path.
+    arguments, one row per equation with its source line and module path. Every body autocast enters is
+    listed too (jit, checkpoint, custom derivatives, lower_precision calls, scan, while and cond bodies,
+    shard_map bodies), each row with the loops and branches around it. FLOPs count what runs: a scan body's
+    rows count ``length`` times (``OpRecord.repeats``), a shard_map body's once per device, a while loop's
+    body once (its trip count is known only when it runs: ``Report.summary["equations_in_while_loops"]``),
+    every cond branch once.
 
     The function is traced and rewritten as ``jamp.autocast(f, **autocast_kwargs)`` would, without running
     it; each equation that takes or makes a floating value becomes a :class:`jamp.OpRecord`: the dtypes it
@@ -314,13 +347,18 @@ def explain(fun: Callable, **autocast_kwargs) -> Callable[..., Report]:
             ``enabled``, ``static_argnums``, ...), as the run to explain has them.
 
     Returns:
-        A function that takes ``fun``'s arguments and returns the :class:`jamp.Report`.
+        A function that takes ``fun``'s arguments and returns the :class:`jamp.Report` (nothing is run or
+        compiled).
 
     Examples:
-        >>> import jax.numpy as jnp, jamp
+        >>> import jax, jax.numpy as jnp, jamp
         >>> report = jamp.explain(lambda a, b: a @ b, device_type="gpu")(jnp.ones((2, 3)), jnp.ones((3, 4)))
         >>> [(row.primitive, row.ran_dtypes) for row in report.rows]  # the matmul ran in float16
         [('dot_general', ('float16', 'float16'))]
+        >>> ws, x = jnp.ones((3, 16, 16)), jnp.ones((8, 16))
+        >>> layers = lambda ws, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+        >>> [(r.repeats, r.flops) for r in jamp.explain(layers, dtype="bf16")(ws, x).rows if r.flops]
+        [(3, 12288)]
     """
 
     def run(*args, **kwargs) -> Report:

@@ -62,7 +62,11 @@ def first_eqn(closed, name: str):
     [
         (lambda x: jax.jit(jnp.sin)(x), jc.JIT, [jc.JIT_JAXPR, jc.JIT_NAME]),
         (lambda x: jax.lax.scan(lambda c, _: (c, None), x, None, length=2)[0], jc.SCAN, [jc.SCAN_JAXPR]),
-        (lambda x: jax.lax.while_loop(lambda c: c.sum() < 0, lambda c: c, x), jc.WHILE, [jc.WHILE_COND, jc.WHILE_BODY]),
+        (
+            lambda x: jax.lax.while_loop(lambda c: c.sum() < 0, lambda c: c, x),
+            jc.WHILE,
+            [jc.WHILE_COND, jc.WHILE_BODY, jc.WHILE_COND_NCONSTS, jc.WHILE_BODY_NCONSTS],
+        ),
         (lambda x: jax.lax.cond(True, jnp.sin, jnp.cos, x), jc.COND, [jc.COND_BRANCHES]),
         (lambda x: jax.checkpoint(jnp.sin)(x), jc.REMAT, [jc.REMAT_JAXPR]),
         (lambda x: jax.nn.relu(x), jc.CUSTOM_JVP, [jc.CALL_JAXPR, jc.JVP_THUNK, jc.NUM_CONSTS]),
@@ -74,12 +78,27 @@ def first_eqn(closed, name: str):
                 out_specs=P("d"),
             )(x),
             jc.SHARD_MAP,
-            [jc.SHARD_MAP_JAXPR, jc.SHARD_MAP_OUT_SPECS],
+            [jc.SHARD_MAP_JAXPR, jc.SHARD_MAP_OUT_SPECS, jc.SHARD_MAP_IN_SPECS],
         ),
     ],
 )
 def test_higher_order_primitive_parameters(fun, name, params):
     assert_params(first_eqn(jax.make_jaxpr(fun)(jnp.ones(3)), name), name, params)
+
+
+def test_scan_operand_groups_and_shard_map_axes():
+    """What the tools' threading reads and rebinds (jamp/_jax_compat_loops.py): a scan's consts/carry/xs
+    groups, read and written back, and a shard_map's manual axes."""
+    w, x, xs = jnp.ones(3), jnp.ones(3), jnp.ones((2, 3))
+    f = lambda w, x, xs: jax.lax.scan(lambda c, y: (c * w + y, c.sum()), x, xs)
+    eqn = first_eqn(jax.make_jaxpr(f)(w, x, xs), jc.SCAN)
+    assert jc.scan_sizes(eqn.params) == (1, 1)
+    params = jc.scan_params(eqn.params, eqn.params[jc.SCAN_JAXPR], 1, 1, 1)
+    carry, ys = eqn.primitive.bind(w, x, xs, **params)
+    assert jnp.array_equal(carry, f(w, x, xs)[0]) and jnp.array_equal(ys, f(w, x, xs)[1])
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Auto,))
+    sm = jax.shard_map(jnp.sin, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    assert jc.shard_map_manual_axes(first_eqn(jax.make_jaxpr(sm)(x), jc.SHARD_MAP).params) == ("d",)
 
 
 def custom_vjp_identity():

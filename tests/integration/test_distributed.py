@@ -579,4 +579,3 @@ def test_example_runs(script, expected, overflow_step):
     skipped = [json.loads(m) for m in re.findall(r"skipped steps: (\[[\d, ]*\])", out)]
     assert skipped and all(overflow_step in steps for steps in skipped), out
     assert "final loss:" in out, out
-

@@ -1,7 +1,8 @@
 """jit and remat: dtype-propagating. Their bodies are re-traced with the dtypes that arrive, so
 low-precision activations flow through nested jits and checkpointed blocks without boundary casts;
 arity is unchanged, so shardings, donation and remat policies stay valid. A jit that records a
-``jamp.lower_precision`` call is traced again from its function (:mod:`jamp.casting.rules.low_precision`)."""
+``jamp.lower_precision`` call is traced again from its function (:mod:`jamp.casting.rules.low_precision`).
+A threading observer enters both in place (:func:`jamp.casting.rules.threading.enter`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from jamp.casting.interpreter import retrace, retrace_open
 from jamp.casting.policy import OFF, Policy
 from jamp.casting.regions import F32
 from jamp.casting.rules import low_precision
+from jamp.casting.rules.threading import enter
 
 
 @jc.weakref_lru_cache
@@ -32,15 +34,28 @@ def jit_body_ctx(call: Call):
 
 def jit(call: Call):
     recorded = low_precision_calls.recorded_call(call.params[jc.JIT_JAXPR])
-    lowered = None if recorded is None else low_precision.retraced(call, recorded)
+    lowered = None if recorded is None else low_precision.traced(call, recorded)
     if lowered is not None:  # a jamp.lower_precision call: the function, traced in this region's dtypes
-        invals, body = lowered
-        return call.bind(invals, **{jc.JIT_JAXPR: body})
-    new = retrace(call.params[jc.JIT_JAXPR], avals_of(call.invals), jit_body_ctx(call), None)
-    return call.bind(**{jc.JIT_JAXPR: new})
+        invals, closed, ctx, float32 = lowered
+
+        def bind_lowered():
+            return call.bind(invals, **{jc.JIT_JAXPR: retrace(closed, avals_of(invals), ctx, None)})
+
+        return enter(call, closed, invals, ctx, None, bind_lowered, shadowed=float32)
+    ctx, closed = jit_body_ctx(call), call.params[jc.JIT_JAXPR]
+
+    def bind():
+        return call.bind(**{jc.JIT_JAXPR: retrace(closed, avals_of(call.invals), ctx, None)})
+
+    return enter(call, closed, call.invals, ctx, None, bind)
 
 
 def remat(call: Call):
-    new = retrace_open(call.params[jc.REMAT_JAXPR], avals_of(call.invals), call.body_ctx())
-    body = jc.convert_constvars_jaxpr(new.jaxpr) if new.consts else new.jaxpr
-    return call.bind([*new.consts, *call.invals], **{jc.REMAT_JAXPR: body})
+    jaxpr = call.params[jc.REMAT_JAXPR]
+
+    def bind():
+        new = retrace_open(jaxpr, avals_of(call.invals), call.body_ctx())
+        body = jc.convert_constvars_jaxpr(new.jaxpr) if new.consts else new.jaxpr
+        return call.bind([*new.consts, *call.invals], **{jc.REMAT_JAXPR: body})
+
+    return enter(call, jc.ClosedJaxpr(jaxpr, ()), call.invals, call.body_ctx(), None, bind)

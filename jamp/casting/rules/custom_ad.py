@@ -8,6 +8,8 @@ custom_vjp preserves its boundary: the primal and fwd bodies see the recorded dt
 them, so the residuals the Python bwd rule receives have the types it was written for; the bwd
 rule itself runs through the interpreter and its outputs are cast back to the dtypes the original
 bwd produces (JAX does not check them, and a bf16 cotangent would leak into jax.grad).
+
+A threading observer enters both primal bodies in place (:func:`jamp.casting.rules.threading.enter`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jax
 from jamp import _jax_compat as jc
 from jamp.casting.call import Call, avals_of, cast_outputs
 from jamp.casting.interpreter import evaluate, retrace
+from jamp.casting.rules.threading import enter
 
 
 def _memoized_thunk(original, build):
@@ -31,8 +34,12 @@ def _memoized_thunk(original, build):
 
 
 def custom_jvp(call: Call):
-    p = call.params
     ctx = call.body_ctx()
+    return enter(call, call.params[jc.CALL_JAXPR], call.invals, ctx, None, lambda: _custom_jvp(call, ctx))
+
+
+def _custom_jvp(call: Call, ctx):
+    p = call.params
     in_avals = avals_of(call.invals)
     new_call = retrace(p[jc.CALL_JAXPR], in_avals, ctx, None)
     out_dtypes = tuple(a.dtype for a in new_call.out_avals)
@@ -79,8 +86,13 @@ def _autocast_bwd(original, ctx):
 
 
 def custom_vjp(call: Call):
+    ctx, closed, operands = call.body_ctx(), call.params[jc.CALL_JAXPR], call.cast_to_recorded()
+    out_dtypes = [a.dtype for a in closed.out_avals]
+    return enter(call, closed, operands, ctx, out_dtypes, lambda: _custom_vjp(call, ctx, operands))
+
+
+def _custom_vjp(call: Call, ctx, operands: list):
     p = call.params
-    ctx = call.body_ctx()
     fwd_original = p[jc.FWD_THUNK]
 
     def build_fwd(*nonzeros):
@@ -94,4 +106,4 @@ def custom_vjp(call: Call):
         jc.FWD_THUNK: _memoized_thunk(fwd_original, build_fwd),
         jc.BWD: _autocast_bwd(p[jc.BWD], ctx),
     }
-    return call.bind_with(call.cast_to_recorded(), call.eqn.primitive.get_bind_params(params))
+    return call.bind_with(operands, call.eqn.primitive.get_bind_params(params))

@@ -6,7 +6,8 @@ call's floating inputs get the dtype a ``lower`` op gets in this region (the com
 a ``float32`` region, the recorded dtypes in an ``off`` region), the function is traced on them, and its
 body goes through the interpreter like any jit body (a jnp implementation inside follows the policy; a
 kernel stays opaque, now with low-precision inputs). The outputs keep the function's dtypes, as a
-matmul's do.
+matmul's do. The float32 program a tool compares it with is the function traced on the dtypes the
+call recorded (``off`` mode: as written).
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ import jax
 
 from jamp import _jax_compat as jc
 from jamp.casting.call import Call, avals_of, is_float
-from jamp.casting.interpreter import retrace
 from jamp.casting.low_precision_calls import LowPrecisionCall, input_dtypes
-from jamp.casting.policy import Policy
+from jamp.casting.policy import OFF, Policy
 from jamp.casting.tracing import Tracing
 
 
@@ -27,9 +27,10 @@ def _traced(recorded: LowPrecisionCall, in_avals: tuple, policy: Policy, mode: s
         return jax.make_jaxpr(recorded.flat_call)(*in_avals)
 
 
-def retraced(call: Call, recorded: LowPrecisionCall) -> tuple[list, jc.ClosedJaxpr] | None:
-    """(inputs, rewritten body) of the recorded call in this context; None when the function traced on these
-    dtypes returns other shapes than it recorded (then the recorded body runs)."""
+def traced(call: Call, recorded: LowPrecisionCall) -> tuple | None:
+    """(inputs, the function traced on their dtypes, the body's context, a function returning its trace as
+    written) for the recorded call in this context; None when the function traced on these dtypes returns
+    other shapes than it recorded (then the recorded body runs)."""
     ctx = call.body_ctx(call.params[jc.JIT_NAME])
     dtypes = input_dtypes(
         ctx.mode, ctx.compute_dtype, [x.dtype for x in call.invals], [v.aval.dtype for v in call.eqn.invars]
@@ -39,4 +40,5 @@ def retraced(call: Call, recorded: LowPrecisionCall) -> tuple[list, jc.ClosedJax
     closed = _traced(recorded, in_avals, ctx.policy, ctx.mode)
     if [a.shape for a in closed.out_avals] != [v.aval.shape for v in call.eqn.outvars]:
         return None
-    return invals, retrace(closed, in_avals, ctx, None)
+    as_written = tuple(v.aval for v in call.eqn.invars)
+    return invals, closed, ctx, lambda: _traced(recorded, as_written, ctx.policy, OFF)
