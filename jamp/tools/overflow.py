@@ -66,6 +66,11 @@ class Finding:
         total_elements: how many elements it has.
         float32_max_abs: the largest finite ``|value|`` float32 computes there: compare it with the dtype's
             range (65504 for float16).
+        iteration: per enclosing scan or while loop, outermost first: the index along the scanned axis (a
+            layer of a scanned model) or the while loop's iteration.
+        branch: per enclosing cond, the branch that ran.
+        device: per enclosing shard_map, the device (its index along the map's manual axes).
+        scope: the loops, branches and shard_maps around it, in words.
 
     Examples:
         >>> import jax.numpy as jnp, jamp

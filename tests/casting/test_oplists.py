@@ -87,7 +87,7 @@ def test_higher_order_primitive_parameters(fun, name, params):
 
 
 def test_scan_operand_groups_and_shard_map_axes():
-    """What the tools' threading reads and rebinds (jamp/_jax_compat_loops.py): a scan's consts/carry/xs
+    """What the tools' threading reads and rebinds (jamp/_jax_compat/loops.py): a scan's consts/carry/xs
     groups, read and written back, and a shard_map's manual axes."""
     w, x, xs = jnp.ones(3), jnp.ones(3), jnp.ones((2, 3))
     f = lambda w, x, xs: jax.lax.scan(lambda c, y: (c * w + y, c.sum()), x, xs)
