@@ -11,7 +11,7 @@ import importlib
 from jamp import nn
 from jamp.casting.autocast import autocast
 from jamp.casting.custom_fwd import custom_fwd
-from jamp.casting.low_precision_calls import lower_precision
+from jamp.casting.lower_precision import lower_precision
 from jamp.casting.policy import Policy, get_policy
 from jamp.low_precision_params.kahan import KahanSummationState, kahan_summation
 from jamp.low_precision_params.stochastic import StochasticRoundingState, stochastic_rounding

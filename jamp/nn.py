@@ -28,7 +28,7 @@ import numpy as np
 from jamp import _jax_compat as jc
 from jamp.casting.dtypes import LOW_DTYPES
 from jamp.casting.interpreter import run_as_written
-from jamp.casting.low_precision_calls import lower_precision
+from jamp.casting.lower_precision import lower_precision
 from jamp.casting.tracing import tracing_depth
 
 jc.hide_from_source_info(__file__)  # an attention call points to the model's line

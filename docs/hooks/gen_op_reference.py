@@ -29,11 +29,11 @@ import jax.numpy as jnp
 import jamp
 from jamp.casting import accumulation, fp8, oplists, policy
 from jamp.casting.dtypes import ELIGIBLE_DTYPES
-from jamp.casting.regions import EFFECTIVE_RULE
+from jamp.casting.regions import EFFECTIVE_RULE, LeafRule
 from jamp.casting.rules import HIGHER_ORDER_RULES
 
 # The order in which categories are shown; every category in jamp.casting.oplists.CATEGORIES must appear.
-CATEGORY_ORDER = (oplists.LOWER, oplists.FLOAT32, oplists.LINALG, oplists.PROMOTE, oplists.PASSTHROUGH, oplists.DEFAULT)
+CATEGORY_ORDER = tuple(oplists.Category)
 
 DEVICE_TITLES = {
     "gpu": 'GPU policy (`device_type="gpu"` or `"cuda"`)',
@@ -173,7 +173,7 @@ def device_page(device: str) -> str:
         "",
     ]
     for cat in CATEGORY_ORDER:
-        if cat == oplists.DEFAULT:
+        if cat == oplists.Category.DEFAULT:
             continue
         lines += [f"## `{cat}`", "", _sentence(descriptions[cat]), ""]
         lines += [category_table(device, cat) if rows[cat] else "_None on this list._", ""]
@@ -299,7 +299,7 @@ def fp8_formats_table() -> str:
 
 def fp8_eligibility_list() -> str:
     """The conditions of ``jamp.casting.fp8.eligible`` and the rule that applies it, with their constants."""
-    modes = [m for m, rules in EFFECTIVE_RULE.items() if rules[oplists.LOWER] == oplists.LOWER]
+    modes = [m for m, rules in EFFECTIVE_RULE.items() if rules[oplists.Category.LOWER] == LeafRule.LOWER]
     return "\n".join(
         [
             (

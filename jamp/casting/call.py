@@ -15,7 +15,7 @@ import numpy as np
 from jamp import _jax_compat as jc
 from jamp.casting import accumulation, portable_dots, regions, rounding
 from jamp.casting.dtypes import FLOAT32, is_eligible, is_low
-from jamp.casting.policy import Policy
+from jamp.casting.policy import Mode, Policy
 
 MATMUL_LIKE = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
@@ -25,7 +25,7 @@ class Context:
     """Where an evaluation stands: policy, region mode, enclosing path. Hashable (cache key)."""
 
     policy: Policy
-    mode: str
+    mode: Mode
     path: tuple[str, ...] = ()
     cache_enabled: bool = True
     # An observer (jamp.explain's Recorder, jamp.find_overflow's comparison; jamp.casting.observation): part of the

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jamp.casting.dtypes import ELIGIBLE_DTYPES, is_eligible, parse_dtype
-from jamp.casting.policy import OFF
+from jamp.casting.policy import Mode
 from jamp.casting.regions import Region, marker_for
 from jamp.casting.signature import is_dynamic
 from jamp.casting.tracing import tracing_depth
@@ -54,7 +54,7 @@ def custom_fwd(fun: Callable | None = None, /, *, cast_inputs: Any = None) -> Ca
         if dtype is None or not tracing_depth():
             return fun(*args, **kwargs)
         args, kwargs = jax.tree.map(cast, (args, kwargs))
-        with jax.named_scope(marker_for(Region(OFF))):
+        with jax.named_scope(marker_for(Region(Mode.OFF))):
             return fun(*args, **kwargs)
 
     return wrapper

@@ -18,7 +18,7 @@ from jamp import _jax_compat as jc
 from jamp.casting import portable_dots, regions
 from jamp.casting.call import MATMUL_LIKE, Call, Context, Env, cast_outputs
 from jamp.casting.observation import Frame
-from jamp.casting.policy import OFF, Policy
+from jamp.casting.policy import Mode, Policy
 
 # Equations whose output keeps the "size before broadcast" of their input (bias detection).
 _BROADCAST_LIKE = ("broadcast_in_dim", "reshape", "convert_element_type")
@@ -92,7 +92,7 @@ def retrace_open(jaxpr: jc.Jaxpr, in_avals: tuple, ctx: Context) -> jc.ClosedJax
 
 # Every equation bound as the program recorded it (region mode ``off``; a policy without region rules, so
 # that no jit name switches the mode).
-_AS_WRITTEN = Context(Policy(jnp.bfloat16), OFF)
+_AS_WRITTEN = Context(Policy(jnp.bfloat16), Mode.OFF)
 
 
 def run_as_written(fun: Callable, *args, **kwargs) -> Any:

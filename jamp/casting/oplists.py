@@ -22,15 +22,23 @@ Categories (what a rule does with the floating inputs of an equation):
 
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
-LOWER = "lower"
-FLOAT32 = "float32"
-LINALG = "linalg"
-PROMOTE = "promote"
-PASSTHROUGH = "passthrough"
-DEFAULT = "default"
-CATEGORIES = (LOWER, FLOAT32, LINALG, PROMOTE, PASSTHROUGH, DEFAULT)
+
+class Category(enum.StrEnum):
+    """What a policy says of a primitive: the op list it is on (a str, so policies can be written as strings)."""
+
+    LOWER = "lower"  # torch's lower_precision_fp list: matmuls and convolutions in the compute dtype
+    FLOAT32 = "float32"  # torch's fp32 list: numerically sensitive ops cast up
+    LINALG = "linalg"  # decompositions and solves: float32 in every region (no low-precision kernels exist)
+    PROMOTE = "promote"  # multi-input ops: cast to the widest input
+    PASSTHROUGH = "passthrough"  # runs in whatever dtype arrives
+    DEFAULT = "default"  # unknown to jamp: the input dtypes the jaxpr recorded
+
+
+CATEGORIES = tuple(Category)
+_C = Category
 
 DEVICE_TYPES = ("gpu", "cpu", "tpu")
 DEVICE_ALIASES = {"cuda": "gpu", "gpu": "gpu", "cpu": "cpu", "tpu": "tpu"}
@@ -55,8 +63,8 @@ OP_TABLE: tuple[OpRow, ...] = (
     # ---- lower precision -------------------------------------------------------------------
     _row(
         "dot_general",
-        LOWER,
-        LOWER,
+        _C.LOWER,
+        _C.LOWER,
         "matmul, mm, bmm, mv, einsum, linear, addmm, addmv, addr, addbmm, baddbmm, chain_matmul, "
         "linalg_multi_dot, linalg_vecdot, the matmuls of scaled_dot_product_attention and RNN cells",
         "every JAX matmul/einsum/Dense is a dot_general; linear's bias add follows the matmul "
@@ -64,31 +72,31 @@ OP_TABLE: tuple[OpRow, ...] = (
     ),
     _row(
         "conv_general_dilated",
-        LOWER,
-        LOWER,
+        _C.LOWER,
+        _C.LOWER,
         "conv1d, conv2d, conv3d, conv_transpose1d/2d/3d, convolution, _convolution, conv_tbc",
         "every JAX/flax convolution, transposed ones included, is conv_general_dilated",
     ),
-    _row("ragged_dot_general", LOWER, LOWER, "(no torch op: grouped matmul)", "a matmul like dot_general"),
+    _row("ragged_dot_general", _C.LOWER, _C.LOWER, "(no torch op: grouped matmul)", "a matmul like dot_general"),
     # ---- float32 on the CUDA list, input dtype on the CPU list -----------------------------
     _row(
         "exp exp2 log log1p expm1",
-        FLOAT32,
-        PASSTHROUGH,
+        _C.FLOAT32,
+        _C.PASSTHROUGH,
         "exp, log, log10, log2, log1p, expm1",
         "CUDA list: fp32; CPU list: not autocast (runs in the input dtype)",
     ),
     _row(
         "pow",
-        FLOAT32,
-        PROMOTE,
+        _C.FLOAT32,
+        _C.PROMOTE,
         "pow.Tensor_Tensor, pow.Scalar, x ** 1.5",
         "CUDA: fp32; CPU: not autocast, but JAX's pow needs equal float dtypes",
     ),
     _row(
         "integer_pow",
-        PASSTHROUGH,
-        PASSTHROUGH,
+        _C.PASSTHROUGH,
+        _C.PASSTHROUGH,
         "pow.Tensor_Scalar with an integer exponent, x ** 3",
         "deviation from the CUDA list (pow is fp32 there): JAX builds gelu's tanh form from x ** 3, and "
         "running it in float32 kept every MLP activation in float32 (4.7x the float32 memory saved for "
@@ -96,30 +104,30 @@ OP_TABLE: tuple[OpRow, ...] = (
     ),
     _row(
         "rsqrt acos asin cosh sinh tan erf_inv",
-        FLOAT32,
-        PASSTHROUGH,
+        _C.FLOAT32,
+        _C.PASSTHROUGH,
         "rsqrt, acos, asin, cosh, sinh, tan, erfinv",
         "CUDA fp32 list; not listed on CPU",
     ),
     _row(
         "reduce_sum",
-        FLOAT32,
-        PASSTHROUGH,
+        _C.FLOAT32,
+        _C.PASSTHROUGH,
         "sum, mean's sum, the sums inside softmax, layer_norm, norms and losses",
         "CUDA: sum is fp32_set_opt_dtype (accumulate and return fp32); CPU: not autocast",
     ),
     _row(
         "cumsum cumprod cumlogsumexp",
-        FLOAT32,
-        PASSTHROUGH,
+        _C.FLOAT32,
+        _C.PASSTHROUGH,
         "cumsum, cumprod, logcumsumexp",
         "CUDA fp32_set_opt_dtype; CPU: not autocast",
     ),
-    _row("reduce_prod", FLOAT32, FLOAT32, "prod", "fp32 on both lists (CPU: plain fp32)"),
+    _row("reduce_prod", _C.FLOAT32, _C.FLOAT32, "prod", "fp32 on both lists (CPU: plain fp32)"),
     _row(
         "lgamma digamma polygamma igamma igammac igamma_grad_a zeta bessel_i0e bessel_i1e regularized_incomplete_beta",
-        FLOAT32,
-        FLOAT32,
+        _C.FLOAT32,
+        _C.FLOAT32,
         "(torch.special: not on the lists)",
         "numerically touchy special functions; XLA has no native low-precision kernels for them",
     ),
@@ -127,8 +135,8 @@ OP_TABLE: tuple[OpRow, ...] = (
     _row(
         "cholesky cholesky_update eig eigh hessenberg householder_product lu ormqr qr schur svd "
         "symmetric_product triangular_solve tridiagonal tridiagonal_solve",
-        LINALG,
-        LINALG,
+        _C.LINALG,
+        _C.LINALG,
         "cholesky, cholesky_solve, inverse, lu_solve, orgqr, ormqr, pinverse, linalg_* "
         "(CPU fp32 list: qr, svd, eigh, solve, inv, lstsq, ...)",
         "decompositions have no float16/bfloat16 kernels; the CPU list runs them in fp32 and "
@@ -136,46 +144,46 @@ OP_TABLE: tuple[OpRow, ...] = (
     ),
     _row(
         "fft",
-        LINALG,
-        LINALG,
+        _C.LINALG,
+        _C.LINALG,
         "fft_fft, fft_ifft, fft_rfft, fft_irfft, fft_fftn, ... (CPU fp32 list)",
         "FFTs of low-precision data lose the small bins; fp32 on every device",
     ),
     # ---- promote: multi-input ops that need equal dtypes -----------------------------------
     _row(
         "add sub mul div rem max min atan2 nextafter add_any",
-        PROMOTE,
-        PROMOTE,
+        _C.PROMOTE,
+        _C.PROMOTE,
         "add, sub, mul, div, addcmul, addcdiv, atan2 (CUDA promote list) and built-in promotion",
         "JAX requires equal dtypes; torch promotes to the widest, so does jamp",
     ),
-    _row("select_n clamp", PROMOTE, PROMOTE, "where, clamp", "cases/bounds must share a dtype"),
+    _row("select_n clamp", _C.PROMOTE, _C.PROMOTE, "where, clamp", "cases/bounds must share a dtype"),
     _row(
         "concatenate",
-        PROMOTE,
-        PROMOTE,
+        _C.PROMOTE,
+        _C.PROMOTE,
         "cat, stack (CPU promote list; built-in promotion on CUDA)",
         "jnp.stack and jnp.concatenate are concatenate",
     ),
     _row(
         "eq ne lt le gt ge",
-        PROMOTE,
-        PROMOTE,
+        _C.PROMOTE,
+        _C.PROMOTE,
         "eq, ne, lt, le, gt, ge",
         "comparisons need equal input dtypes; the output is bool either way",
     ),
     _row(
         "dynamic_update_slice pad",
-        PROMOTE,
-        PROMOTE,
+        _C.PROMOTE,
+        _C.PROMOTE,
         "index_copy (CPU promote), pad",
         "the update/padding value must match the operand",
     ),
     # ---- passthrough: run in whatever dtype arrives ----------------------------------------
     _row(
         "square",
-        FLOAT32,
-        PASSTHROUGH,
+        _C.FLOAT32,
+        _C.PASSTHROUGH,
         "pow.Tensor_Scalar(x, 2), the squares of layer_norm/var/norm",
         "CUDA: fp32 (pow); float16 squares overflow past |x| = 256, e.g. in a layer norm that no region "
         "rule covers (flax NNX adds no module scopes)",
@@ -183,30 +191,30 @@ OP_TABLE: tuple[OpRow, ...] = (
     _row(
         "neg abs sign floor ceil round is_finite sqrt cbrt tanh logistic sin cos atan "
         "asinh acosh atanh erf erfc real imag conj",
-        PASSTHROUGH,
-        PASSTHROUGH,
+        _C.PASSTHROUGH,
+        _C.PASSTHROUGH,
         "relu, gelu, sigmoid, tanh, sqrt, abs, ... (not listed: run in the input dtype)",
         "elementwise ops without a list entry run in the input dtype, as in torch",
     ),
     _row(
         "reshape broadcast_in_dim transpose squeeze slice dynamic_slice gather rev copy split tile stop_gradient",
-        PASSTHROUGH,
-        PASSTHROUGH,
+        _C.PASSTHROUGH,
+        _C.PASSTHROUGH,
         "view, reshape, permute, index_select, narrow, detach, ...",
         "data movement is dtype-agnostic",
     ),
     _row(
         "reduce_max reduce_min argmax argmin cummax cummin sort top_k reduce_window_max "
         "reduce_window_min reduce_window_sum reduce_and reduce_or reduce_xor",
-        PASSTHROUGH,
-        PASSTHROUGH,
+        _C.PASSTHROUGH,
+        _C.PASSTHROUGH,
         "max, amax, argmax, sort, topk, max_pool, avg_pool (not listed on CUDA)",
         "max/min/sort are exact in any dtype; pooling sums are not listed on the CUDA list",
     ),
     _row(
         "convert_element_type reduce_precision",
-        PASSTHROUGH,
-        PASSTHROUGH,
+        _C.PASSTHROUGH,
+        _C.PASSTHROUGH,
         "Tensor.to, .float(), .half()",
         "a user's explicit cast is kept as written",
     ),
@@ -214,16 +222,16 @@ OP_TABLE: tuple[OpRow, ...] = (
         "not and or xor shift_left shift_right_arithmetic shift_right_logical population_count clz "
         "iota random_bits random_seed random_wrap random_unwrap random_fold_in random_split "
         "threefry2x32 axis_index",
-        PASSTHROUGH,
-        PASSTHROUGH,
+        _C.PASSTHROUGH,
+        _C.PASSTHROUGH,
         "(integer, bool and PRNG ops)",
         "no floating inputs: nothing to cast",
     ),
     _row(
         "sharding_constraint optimization_barrier device_put name pvary psum pmax pmin "
         "all_gather all_to_all ppermute reduce_scatter psum_invariant",
-        PASSTHROUGH,
-        PASSTHROUGH,
+        _C.PASSTHROUGH,
+        _C.PASSTHROUGH,
         "all_reduce, all_gather, ... (torch.distributed)",
         "collectives and annotations move values without arithmetic precision concerns",
     ),
@@ -245,17 +253,17 @@ _ATTENTION_LOGITS = (
 JIT_RULES: dict[str, tuple[tuple[str, str, str], ...]] = {
     "gpu": (
         _ATTENTION_LOGITS,
-        ("log_softmax", FLOAT32, "log_softmax (fp32_set_opt_dtype)"),
-        ("softplus", FLOAT32, "softplus (fp32)"),
-        ("norm", FLOAT32, "norm, linalg_vector_norm, linalg_matrix_norm, frobenius_norm (fp32)"),
-        ("standardize", FLOAT32, "layer_norm (fp32): jax.nn.standardize is a layer norm"),
-        ("_resize", FLOAT32, "upsample_* (fp32): jax.image.resize"),
+        ("log_softmax", _C.FLOAT32, "log_softmax (fp32_set_opt_dtype)"),
+        ("softplus", _C.FLOAT32, "softplus (fp32)"),
+        ("norm", _C.FLOAT32, "norm, linalg_vector_norm, linalg_matrix_norm, frobenius_norm (fp32)"),
+        ("standardize", _C.FLOAT32, "layer_norm (fp32): jax.nn.standardize is a layer norm"),
+        ("_resize", _C.FLOAT32, "upsample_* (fp32): jax.image.resize"),
     ),
     "cpu": (
         _ATTENTION_LOGITS,
         (
             "log_softmax",
-            FLOAT32,
+            _C.FLOAT32,
             "cross_entropy_loss, nll_loss (fp32 on the CPU list): "
             "optax.softmax_cross_entropy and hand-written losses use log_softmax. "
             "Deviation: torch's standalone CPU log_softmax runs in the input dtype",
@@ -272,18 +280,18 @@ JIT_RULES: dict[str, tuple[tuple[str, str, str], ...]] = {
 _NORM_SCOPES = (
     (
         "LayerNorm*",
-        FLOAT32,
+        _C.FLOAT32,
         "layer_norm, native_layer_norm (CUDA: fp32; CPU: a float32 kernel): flax LayerNorm modules",
     ),
-    ("RMSNorm*", FLOAT32, "rms_norm (CUDA: fp32; CPU: a float32 kernel): flax RMSNorm modules"),
-    ("GroupNorm*", FLOAT32, "group_norm (CUDA: fp32; CPU: a float32 kernel): flax GroupNorm modules"),
-    ("eqx.nn.LayerNorm", FLOAT32, "layer_norm (CUDA: fp32; CPU: a float32 kernel): Equinox LayerNorm"),
+    ("RMSNorm*", _C.FLOAT32, "rms_norm (CUDA: fp32; CPU: a float32 kernel): flax RMSNorm modules"),
+    ("GroupNorm*", _C.FLOAT32, "group_norm (CUDA: fp32; CPU: a float32 kernel): flax GroupNorm modules"),
+    ("eqx.nn.LayerNorm", _C.FLOAT32, "layer_norm (CUDA: fp32; CPU: a float32 kernel): Equinox LayerNorm"),
     (
         "eqx.nn.RMSNorm",
-        FLOAT32,
+        _C.FLOAT32,
         "rms_norm (CUDA: fp32; CPU: a float32 kernel): Equinox RMSNorm (its x ** 2 overflows float16)",
     ),
-    ("eqx.nn.GroupNorm", FLOAT32, "group_norm (CUDA: fp32; CPU: a float32 kernel): Equinox GroupNorm"),
+    ("eqx.nn.GroupNorm", _C.FLOAT32, "group_norm (CUDA: fp32; CPU: a float32 kernel): Equinox GroupNorm"),
 )
 SCOPE_RULES: dict[str, tuple[tuple[str, str, str], ...]] = {"gpu": _NORM_SCOPES, "cpu": _NORM_SCOPES}
 

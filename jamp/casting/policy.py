@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import fnmatch
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -21,13 +22,19 @@ from jamp.casting.dtypes import (
     parse_dtype,
 )
 
-# Region modes: how the equations inside a matched region are evaluated.
-AUTOCAST = "autocast"  # the policy's per-primitive categories (the mode outside any rule)
-COMPUTE = "compute"  # every floating op in the compute dtype (linear algebra excepted)
-FLOAT32_OUTPUT = "float32_output"  # as autocast, but matmuls emit their float32 accumulator (attention logits)
-NATIVE = "native"  # like one unlisted op: no casts beyond what keeps the program well-typed
-OFF = "off"  # the original program: inputs cast back to the dtypes the jaxpr recorded
-MODES = (AUTOCAST, oplists.FLOAT32, FLOAT32_OUTPUT, COMPUTE, NATIVE, OFF)
+
+class Mode(enum.StrEnum):
+    """How the equations inside a region are evaluated (a str, so region rules can be written as strings)."""
+
+    AUTOCAST = "autocast"  # the policy's per-primitive categories (the mode outside any region rule)
+    FLOAT32 = "float32"  # every floating op in float32
+    FLOAT32_OUTPUT = "float32_output"  # as autocast, but matmuls emit their float32 accumulator (attention logits)
+    COMPUTE = "compute"  # every floating op in the compute dtype (linear algebra excepted)
+    NATIVE = "native"  # like one unlisted op: no casts beyond what keeps the program well-typed
+    OFF = "off"  # the original program: inputs cast back to the dtypes the jaxpr recorded
+
+
+MODES = tuple(Mode)
 
 
 class RegionRule(NamedTuple):
@@ -38,17 +45,17 @@ class RegionRule(NamedTuple):
     """
 
     pattern: str
-    mode: str
+    mode: Mode
     why: str = ""
 
     def matches(self, path: str, component: str) -> bool:
         return fnmatch.fnmatchcase(component, self.pattern) or fnmatch.fnmatchcase(path, self.pattern)
 
 
-def _check_mode(mode: str, where: str) -> str:
+def _check_mode(mode: str, where: str) -> Mode:
     if mode not in MODES:
-        raise ValueError(f"{where}: region mode {mode!r} is not one of {MODES}")
-    return mode
+        raise ValueError(f"{where}: region mode {mode!r} is not one of {[str(m) for m in MODES]}")
+    return Mode(mode)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -85,16 +92,16 @@ class Policy:
         >>> import jax.numpy as jnp, jamp
         >>> policy = jamp.get_policy("gpu").with_rules({"*lm_head*": "float32"})
         >>> policy.compute_dtype, policy.category("dot_general"), policy.category("exp")
-        (dtype('float16'), 'lower', 'float32')
+        (dtype('float16'), <Category.LOWER: 'lower'>, <Category.FLOAT32: 'float32'>)
         >>> policy.match("Model/lm_head", "lm_head")  # the region mode there
-        'float32'
+        <Mode.FLOAT32: 'float32'>
         >>> policy.cast_to_compute({"w": jnp.ones(2), "step": jnp.arange(2)})
         {'step': Array([0, 1], dtype=int32), 'w': Array([1., 1.], dtype=float16)}
     """
 
     compute_dtype: np.dtype
     device_type: str = "gpu"
-    categories: tuple[tuple[str, str], ...] = ()
+    categories: tuple[tuple[str, oplists.Category], ...] = ()
     rules: tuple[RegionRule, ...] = ()
     output_dtype: np.dtype | None = None
     param_dtype: np.dtype = FLOAT32
@@ -110,10 +117,10 @@ class Policy:
             raise ValueError(f"device_type={self.device_type!r} is not supported; allowed: {oplists.DEVICE_TYPES}")
         for prim, cat in self.categories:
             if cat not in oplists.CATEGORIES:
-                raise ValueError(f"categories[{prim!r}]={cat!r} is not one of {oplists.CATEGORIES}")
-        set_("rules", tuple(RegionRule(*r) for r in self.rules))
-        for r in self.rules:
-            _check_mode(r.mode, f"rule {r.pattern!r}")
+                raise ValueError(f"categories[{prim!r}]={cat!r} is not one of {[str(c) for c in oplists.CATEGORIES]}")
+        set_("categories", tuple((prim, oplists.Category(cat)) for prim, cat in self.categories))
+        rules = [RegionRule(*r) for r in self.rules]
+        set_("rules", tuple(r._replace(mode=_check_mode(r.mode, f"rule {r.pattern!r}")) for r in rules))
         set_("_category_of", dict(self.categories))
         if not isinstance(self.fp8, (bool, np.bool_)):
             raise TypeError(f"fp8={self.fp8!r} must be a bool")
@@ -145,11 +152,11 @@ class Policy:
             f"{', fp8=True' if self.fp8 else ''})"
         )
 
-    def category(self, primitive_name: str) -> str:
+    def category(self, primitive_name: str) -> oplists.Category:
         """The category of a primitive; unlisted primitives are ``default`` (recorded dtypes)."""
-        return self._category_of.get(primitive_name, oplists.DEFAULT)
+        return self._category_of.get(primitive_name, oplists.Category.DEFAULT)
 
-    def match(self, path: str, component: str) -> str | None:
+    def match(self, path: str, component: str) -> Mode | None:
         """The mode of the last rule matching this path (later rules override earlier ones)."""
         mode = None
         for rule in self.rules:

@@ -8,42 +8,60 @@ match override the last gives "innermost wins".
 
 from __future__ import annotations
 
+import enum
 import functools
 import itertools
 import re
 import threading
 from typing import Any, NamedTuple
 
-from jamp.casting import oplists
-from jamp.casting.policy import AUTOCAST, COMPUTE, FLOAT32_OUTPUT, NATIVE, OFF, Policy
+from jamp.casting.oplists import Category
+from jamp.casting.policy import Mode, Policy
 
-F32, LOWER, PROMOTE, PASS, DEFAULT, LINALG = (
-    oplists.FLOAT32,
-    oplists.LOWER,
-    oplists.PROMOTE,
-    oplists.PASSTHROUGH,
-    oplists.DEFAULT,
-    oplists.LINALG,
-)
-# The leaf rule that lowers a matmul's inputs but keeps its float32 result (not a category of its own).
-LOWER_F32_OUT = "lower_float32_output"
 
+class LeafRule(enum.StrEnum):
+    """The interpreter's rules for first-order primitives (:mod:`jamp.casting.rules.leaf`), by name."""
+
+    LOWER = "lower"  # floating inputs to the compute dtype
+    LOWER_FLOAT32_OUTPUT = "lower_float32_output"  # as LOWER, but a matmul keeps its float32 result
+    FLOAT32 = "float32"  # low-precision inputs up to float32
+    PROMOTE = "promote"  # inputs to the widest
+    PASSTHROUGH = "passthrough"  # as they arrive
+    DEFAULT = "default"  # as the jaxpr recorded them
+
+
+_C, _R = Category, LeafRule
 # mode -> category -> the leaf rule that runs. Linear algebra never sees a low dtype, whatever
 # the region asks for; "off" is the original program.
-EFFECTIVE_RULE: dict[str, dict[str, str]] = {
-    AUTOCAST: {LOWER: LOWER, F32: F32, LINALG: F32, PROMOTE: PROMOTE, PASS: PASS, DEFAULT: DEFAULT},
-    F32: {LOWER: F32, F32: F32, LINALG: F32, PROMOTE: F32, PASS: F32, DEFAULT: DEFAULT},
-    FLOAT32_OUTPUT: {LOWER: LOWER_F32_OUT, F32: F32, LINALG: F32, PROMOTE: PROMOTE, PASS: PASS, DEFAULT: DEFAULT},
-    COMPUTE: {LOWER: LOWER, F32: LOWER, LINALG: F32, PROMOTE: LOWER, PASS: LOWER, DEFAULT: DEFAULT},
-    NATIVE: {LOWER: PROMOTE, F32: PROMOTE, LINALG: F32, PROMOTE: PROMOTE, PASS: PASS, DEFAULT: DEFAULT},
-    OFF: {LOWER: DEFAULT, F32: DEFAULT, LINALG: DEFAULT, PROMOTE: DEFAULT, PASS: DEFAULT, DEFAULT: DEFAULT},
-}
+EFFECTIVE_RULE: dict[Mode, dict[Category, LeafRule]] = {
+    Mode.AUTOCAST: {
+        _C.LOWER: _R.LOWER, _C.FLOAT32: _R.FLOAT32, _C.LINALG: _R.FLOAT32,
+        _C.PROMOTE: _R.PROMOTE, _C.PASSTHROUGH: _R.PASSTHROUGH, _C.DEFAULT: _R.DEFAULT,
+    },
+    Mode.FLOAT32: {
+        _C.LOWER: _R.FLOAT32, _C.FLOAT32: _R.FLOAT32, _C.LINALG: _R.FLOAT32,
+        _C.PROMOTE: _R.FLOAT32, _C.PASSTHROUGH: _R.FLOAT32, _C.DEFAULT: _R.DEFAULT,
+    },
+    Mode.FLOAT32_OUTPUT: {
+        _C.LOWER: _R.LOWER_FLOAT32_OUTPUT, _C.FLOAT32: _R.FLOAT32, _C.LINALG: _R.FLOAT32,
+        _C.PROMOTE: _R.PROMOTE, _C.PASSTHROUGH: _R.PASSTHROUGH, _C.DEFAULT: _R.DEFAULT,
+    },
+    Mode.COMPUTE: {
+        _C.LOWER: _R.LOWER, _C.FLOAT32: _R.LOWER, _C.LINALG: _R.FLOAT32,
+        _C.PROMOTE: _R.LOWER, _C.PASSTHROUGH: _R.LOWER, _C.DEFAULT: _R.DEFAULT,
+    },
+    Mode.NATIVE: {
+        _C.LOWER: _R.PROMOTE, _C.FLOAT32: _R.PROMOTE, _C.LINALG: _R.FLOAT32,
+        _C.PROMOTE: _R.PROMOTE, _C.PASSTHROUGH: _R.PASSTHROUGH, _C.DEFAULT: _R.DEFAULT,
+    },
+    Mode.OFF: dict.fromkeys(Category, _R.DEFAULT),
+}  # fmt: skip
 
 
 class Region(NamedTuple):
     """What a nested ``jamp.autocast`` asks for: a mode, and a policy or dtype if it changes them."""
 
-    mode: str
+    mode: Mode
     policy: Policy | None = None
     dtype: Any = None
 
@@ -74,7 +92,7 @@ def components(name_stack: str) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=8192)
-def resolve(policy: Policy, mode: str, path: tuple[str, ...], comps: tuple[str, ...]) -> tuple[Policy, str]:
+def resolve(policy: Policy, mode: Mode, path: tuple[str, ...], comps: tuple[str, ...]) -> tuple[Policy, Mode]:
     """The (policy, mode) in force after descending from ``path`` through ``comps``."""
     for depth in range(len(comps)):
         comp = comps[depth]

@@ -2,7 +2,7 @@
 
 While ``jamp.autocast`` traces the user's function, nested autocasts become region markers,
 ``jamp.custom_fwd`` casts its inputs and ``jamp.lower_precision`` records its call in the region's dtype
-(:mod:`jamp.casting.low_precision_calls`). What they see here is the tracing autocast's policy and
+(:mod:`jamp.casting.lower_precision`). What they see here is the tracing autocast's policy and
 mode; the regions entered since are on JAX's name stack.
 
 JAX caches the trace of a ``jax.jit`` function per argument types and per its trace context, so the
@@ -16,7 +16,7 @@ import threading
 
 from jamp import _jax_compat as jc
 from jamp.casting import regions
-from jamp.casting.policy import AUTOCAST, Policy
+from jamp.casting.policy import Mode, Policy
 
 _state = threading.local()
 
@@ -35,7 +35,7 @@ def tracing_depth() -> int:
 class Tracing:
     """Marks that an autocast traces a function under ``policy`` in region ``mode``."""
 
-    def __init__(self, policy: Policy, mode: str = AUTOCAST):
+    def __init__(self, policy: Policy, mode: Mode = Mode.AUTOCAST):
         self._region = (policy, mode)
         self._jax_context = jc.autocast_tracing()
 
@@ -52,6 +52,6 @@ def traced_region() -> tuple[Policy, str]:
     """The (policy, mode) in force here while an autocast traces: the tracing autocast's, descended through
     the name scopes entered since (nested autocast markers, region rules). Inside a jitted function JAX
     starts a fresh name stack, so regions entered outside it are not seen; the interpreter, which sees the
-    whole path, has the last word (:mod:`jamp.casting.rules.low_precision`)."""
+    whole path, has the last word (:mod:`jamp.casting.rules.lower_precision`)."""
     policy, mode = _stack()[-1]
     return regions.resolve(policy, mode, (), regions.components(jc.current_name_stack()))

@@ -25,7 +25,7 @@ from jamp.casting.adapters import nnx_nodes
 from jamp.casting.call import Context
 from jamp.casting.dtypes import is_eligible, parse_dtype
 from jamp.casting.interpreter import trace_jaxpr
-from jamp.casting.policy import AUTOCAST, OFF, Policy, builtin_policy, default_device_type, get_policy
+from jamp.casting.policy import Mode, Policy, builtin_policy, default_device_type, get_policy
 from jamp.casting.regions import Region, marker_for
 from jamp.casting.tracing import Tracing, tracing_depth
 
@@ -85,10 +85,10 @@ def _resolve_policy(policy_arg: Policy | str | None, device_type: str | None, dt
 def region_of(enabled: bool, dtype: Any, device_type: str | None, policy_arg: Policy | str | None) -> Region:
     """What a nested autocast (a call or a ``with`` block) asks of the enclosing one."""
     if not enabled:
-        return Region(OFF)
+        return Region(Mode.OFF)
     if policy_arg is None and device_type is None:
-        return Region(AUTOCAST, None, dtype)
-    return Region(AUTOCAST, _resolve_policy(policy_arg, device_type, dtype))
+        return Region(Mode.AUTOCAST, None, dtype)
+    return Region(Mode.AUTOCAST, _resolve_policy(policy_arg, device_type, dtype))
 
 
 class Autocast:
@@ -172,7 +172,7 @@ class Autocast:
         """The function's own jaxpr, its dynamic arguments and the top-level context."""
         _, dynamic, sig, _ = self._prepare(args, kwargs)
         closed, _ = self._original(sig)
-        return closed, dynamic, Context(self.policy, AUTOCAST, (), self.cache_enabled)
+        return closed, dynamic, Context(self.policy, Mode.AUTOCAST, (), self.cache_enabled)
 
     # -- tracing ------------------------------------------------------------------------------------------
     def _original(self, sig: signature.Signature) -> tuple[jc.ClosedJaxpr, Any]:
@@ -217,5 +217,5 @@ class Autocast:
             policy.output_dtype if i < n_own and policy.output_dtype is not None and is_eligible(a.dtype) else a.dtype
             for i, a in enumerate(closed.out_avals)
         )
-        ctx = Context(policy, AUTOCAST, (), self.cache_enabled, recorder)
+        ctx = Context(policy, Mode.AUTOCAST, (), self.cache_enabled, recorder)
         return _Entry(trace_jaxpr(closed, tuple(closed.in_avals), ctx, out_dtypes), out_tree)

@@ -19,8 +19,7 @@ import optax
 
 import jamp_kernels
 from jamp._arguments import checked_bool, checked_transformation
-from jamp.scaling import nesting, skip, skip_episodes, skip_report, unscaled_grads
-from jamp.scaling import rule as scale_rule
+from jamp.scaling import nesting, scale_update, skip, skip_episodes, skip_report, unscaled_grads
 from jamp.scaling import state as scaler_state
 from jamp.scaling.state import DisabledScalerState, ScalerState
 from jamp.scaling.transformation import ScalerTransformation
@@ -138,7 +137,7 @@ def scaler(
     ``update(scaled_grads, state, params, **extra)`` unscales by ``float32(1/scale)`` in float32 (float64
     leaves in float64), looks for inf/NaN in the scaled grads (combined over ``axis_name`` when given),
     then either applies ``inner`` or returns zero updates with ``inner``'s state bit-identical, and moves
-    the scale by torch's ``_amp_update_scale_`` rule (:mod:`jamp.scaling.rule`). Produce the scaled grads
+    the scale by torch's ``_amp_update_scale_`` rule (:mod:`jamp.scaling.scale_update`). Produce the scaled grads
     by differentiating ``jamp.scale(loss, opt_state)`` inside the function you take the gradient of.
     The unscale is plain jnp that XLA fuses into ``inner``. The skip is a select, not a ``lax.cond``, in the
     form that is fastest on the platform the step is lowered for (see :mod:`jamp.scaling.skip`).
@@ -251,7 +250,7 @@ def scaler(
         unscaled = jamp_kernels.unscale(grads, jamp_kernels.inverse(state.scale))
         finite = jax.tree.map(lambda g: jnp.where(found_inf, jnp.zeros_like(g), g), unscaled)
         updates, inner_state = skip.step_or_skip(inner_tx.update, found_inf, finite, state.inner_state, params, extra)
-        scale, tracker = scale_rule.next_scale(state, found_inf)
+        scale, tracker = scale_update.next_scale(state, found_inf)
         episode = skip_episodes.track(limits, state, found_inf, scale)
         return updates, state._replace(
             scale=scale, growth_tracker=tracker, found_inf=found_inf, inner_state=inner_state, **episode

@@ -10,8 +10,8 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
-from jamp.casting import oplists
 from jamp.casting.autocast import autocast
+from jamp.casting.regions import LeafRule
 from jamp.tools.records import OpRecord, Recorder
 from jamp.tools.sources import fitted_source
 
@@ -113,7 +113,7 @@ class Report:
                 path or "<top>",
                 str(len(group)),
                 _tally(d for r in group for d in _ran_floats(r)),
-                _tally(r.rule for r in group if r.rule != oplists.PASSTHROUGH) or "-",
+                _tally(r.rule for r in group if r.rule != LeafRule.PASSTHROUGH) or "-",
                 str(sum(r.casts for r in group)),
                 next((fitted_source(r.source).split(" (")[0] for r in group if r.source), ""),
             )

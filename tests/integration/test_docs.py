@@ -178,7 +178,7 @@ def test_generated_page_matches_the_policy(device):
     sections = _sections(GEN.pages()[f"op-reference/{device}.md"])
     shown: dict[str, str] = {}
     for category in oplists.CATEGORIES:
-        if category == oplists.DEFAULT:
+        if category == oplists.Category.DEFAULT:
             continue
         for row in _table_cells(sections[category])[1:]:
             for prim in re.findall(r"`([^`]+)`", row[0]):

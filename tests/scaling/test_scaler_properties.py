@@ -16,8 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jamp
-from jamp.scaling import exact_mul
-from jamp.scaling import rule as scaler_rule
+from jamp.scaling import exact_mul, scale_update
 
 BATCH = 64
 STEPS = 24
@@ -108,7 +107,7 @@ def _run(state, flags):
     """Apply the rule over a sequence of found_inf flags (scan), returning every (scale, tracker)."""
 
     def body(s, found):
-        scale, tracker = scaler_rule.next_scale(s, found)
+        scale, tracker = scale_update.next_scale(s, found)
         return s._replace(scale=scale, growth_tracker=tracker), (scale, tracker)
 
     return jax.lax.scan(body, state, flags)[1]

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from jamp import _jax_compat as jc
-from jamp.casting import oplists
-from jamp.casting.regions import EFFECTIVE_RULE, LOWER_F32_OUT
+from jamp.casting.regions import EFFECTIVE_RULE, LeafRule
 from jamp.casting.rules import calls, control_flow, custom_ad, leaf, shard_map
 
 HIGHER_ORDER_RULES = {
@@ -19,15 +18,15 @@ HIGHER_ORDER_RULES = {
 }
 
 LEAF_RULES = {
-    oplists.LOWER: leaf.lower,
-    oplists.FLOAT32: leaf.float32,
-    oplists.PROMOTE: leaf.promote,
-    oplists.PASSTHROUGH: leaf.passthrough,
-    oplists.DEFAULT: leaf.default,
-    LOWER_F32_OUT: leaf.lower_float32_output,
+    LeafRule.LOWER: leaf.lower,
+    LeafRule.FLOAT32: leaf.float32,
+    LeafRule.PROMOTE: leaf.promote,
+    LeafRule.PASSTHROUGH: leaf.passthrough,
+    LeafRule.DEFAULT: leaf.default,
+    LeafRule.LOWER_FLOAT32_OUTPUT: leaf.lower_float32_output,
 }
 # A policy with fp8 on swaps the `lower` rule for one that runs eligible matmuls in float8.
-FP8_LEAF_RULES = {**LEAF_RULES, oplists.LOWER: leaf.lower_fp8}
+FP8_LEAF_RULES = {**LEAF_RULES, LeafRule.LOWER: leaf.lower_fp8}
 
 
 def select_rule(eqn, ctx):

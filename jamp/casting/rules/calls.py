@@ -1,7 +1,7 @@
 """jit and remat: dtype-propagating. Their bodies are re-traced with the dtypes that arrive, so
 low-precision activations flow through nested jits and checkpointed blocks without boundary casts;
 arity is unchanged, so shardings, donation and remat policies stay valid. A jit that records a
-``jamp.lower_precision`` call is traced again from its function (:mod:`jamp.casting.rules.low_precision`).
+``jamp.lower_precision`` call is traced again from its function (:mod:`jamp.casting.rules.lower_precision`).
 A threading observer enters both in place (:func:`jamp.casting.rules.threading.enter`)."""
 
 from __future__ import annotations
@@ -9,32 +9,32 @@ from __future__ import annotations
 import dataclasses
 
 from jamp import _jax_compat as jc
-from jamp.casting import low_precision_calls, oplists
+from jamp.casting import lower_precision as lower_precision_calls
+from jamp.casting import oplists
 from jamp.casting.call import Call, avals_of
 from jamp.casting.interpreter import retrace, retrace_open
-from jamp.casting.policy import OFF, Policy
-from jamp.casting.regions import F32
-from jamp.casting.rules import low_precision
+from jamp.casting.policy import Mode, Policy
+from jamp.casting.rules import lower_precision as lower_precision_rule
 from jamp.casting.rules.threading import enter
 
 
 @jc.weakref_lru_cache
 def _holds_linalg(jaxpr: jc.Jaxpr, policy: Policy) -> bool:
-    return any(policy.category(e.primitive.name) == oplists.LINALG for e in jaxpr.eqns)
+    return any(policy.category(e.primitive.name) == oplists.Category.LINALG for e in jaxpr.eqns)
 
 
 def jit_body_ctx(call: Call):
     """The jit's name is a path component (region rules match it); a jit that directly holds a
     decomposition (jnp.linalg.solve/inv/pinv...) runs in float32, matmuls around it included."""
     ctx = call.body_ctx(call.params[jc.JIT_NAME])
-    if ctx.mode != OFF and _holds_linalg(call.params[jc.JIT_JAXPR].jaxpr, ctx.policy):
-        ctx = dataclasses.replace(ctx, mode=F32)
+    if ctx.mode != Mode.OFF and _holds_linalg(call.params[jc.JIT_JAXPR].jaxpr, ctx.policy):
+        ctx = dataclasses.replace(ctx, mode=Mode.FLOAT32)
     return ctx
 
 
 def jit(call: Call):
-    recorded = low_precision_calls.recorded_call(call.params[jc.JIT_JAXPR])
-    lowered = None if recorded is None else low_precision.traced(call, recorded)
+    recorded = lower_precision_calls.recorded_call(call.params[jc.JIT_JAXPR])
+    lowered = None if recorded is None else lower_precision_rule.traced(call, recorded)
     if lowered is not None:  # a jamp.lower_precision call: the function, traced in this region's dtypes
         invals, closed, ctx, float32 = lowered
 

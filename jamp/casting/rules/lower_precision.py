@@ -16,13 +16,13 @@ import jax
 
 from jamp import _jax_compat as jc
 from jamp.casting.call import Call, avals_of, is_float
-from jamp.casting.low_precision_calls import LowPrecisionCall, input_dtypes
-from jamp.casting.policy import OFF, Policy
+from jamp.casting.lower_precision import LowPrecisionCall, input_dtypes
+from jamp.casting.policy import Mode, Policy
 from jamp.casting.tracing import Tracing
 
 
 @jc.weakref_lru_cache
-def _traced(recorded: LowPrecisionCall, in_avals: tuple, policy: Policy, mode: str) -> jc.ClosedJaxpr:
+def _traced(recorded: LowPrecisionCall, in_avals: tuple, policy: Policy, mode: Mode) -> jc.ClosedJaxpr:
     with Tracing(policy, mode):
         return jax.make_jaxpr(recorded.flat_call)(*in_avals)
 
@@ -41,4 +41,4 @@ def traced(call: Call, recorded: LowPrecisionCall) -> tuple | None:
     if [a.shape for a in closed.out_avals] != [v.aval.shape for v in call.eqn.outvars]:
         return None
     as_written = tuple(v.aval for v in call.eqn.invars)
-    return invals, closed, ctx, lambda: _traced(recorded, as_written, ctx.policy, OFF)
+    return invals, closed, ctx, lambda: _traced(recorded, as_written, ctx.policy, Mode.OFF)

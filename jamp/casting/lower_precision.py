@@ -8,7 +8,7 @@ and one that accepts float32 (a Pallas kernel) stays an opaque float32 call. A f
 recorded as a ``jax.jit`` whose body casts the floating inputs to the compute dtype of the region it is
 in, calls the function, and casts the outputs in that dtype back to the inputs' dtype (the dtypes the
 surrounding float32 code was written for). The interpreter recognises the recorded body and traces the
-function again with the dtypes its context decides (:mod:`jamp.casting.rules.low_precision`). Outside
+function again with the dtypes its context decides (:mod:`jamp.casting.rules.lower_precision`). Outside
 autocast the wrapper is the function.
 
 Arrays (and tracers) are the call's inputs; every other argument (Python numbers, strings, None,
@@ -34,7 +34,8 @@ from jamp import _jax_compat as jc
 from jamp.casting import oplists
 from jamp.casting.call import cast
 from jamp.casting.dtypes import FLOAT32, is_eligible, is_low
-from jamp.casting.regions import EFFECTIVE_RULE, LOWER_F32_OUT
+from jamp.casting.policy import Mode
+from jamp.casting.regions import EFFECTIVE_RULE, LeafRule
 from jamp.casting.tracing import traced_region, tracing_depth
 
 jc.hide_from_source_info(__file__)  # a recorded call points to the line that made it
@@ -47,17 +48,17 @@ def _compute_dtype(dtype, recorded, compute):
 # The rule a `lower` op gets in a region mode (regions.EFFECTIVE_RULE) -> the dtype a floating input of a
 # lower-precision call is traced with, from (the dtype that arrives, the recorded dtype, the compute dtype).
 INPUT_DTYPE = {
-    oplists.LOWER: _compute_dtype,
-    LOWER_F32_OUT: _compute_dtype,
-    oplists.FLOAT32: lambda dtype, recorded, compute: FLOAT32 if is_low(dtype) else dtype,
-    oplists.PROMOTE: lambda dtype, recorded, compute: dtype,  # the `native` mode: no casts of its own
-    oplists.DEFAULT: lambda dtype, recorded, compute: recorded,  # `off`: the function as written
+    LeafRule.LOWER: _compute_dtype,
+    LeafRule.LOWER_FLOAT32_OUTPUT: _compute_dtype,
+    LeafRule.FLOAT32: lambda dtype, recorded, compute: FLOAT32 if is_low(dtype) else dtype,
+    LeafRule.PROMOTE: lambda dtype, recorded, compute: dtype,  # the `native` mode: no casts of its own
+    LeafRule.DEFAULT: lambda dtype, recorded, compute: recorded,  # `off`: the function as written
 }
 
 
-def input_dtypes(mode: str, compute_dtype, dtypes: Sequence, recorded: Sequence) -> tuple:
+def input_dtypes(mode: Mode, compute_dtype, dtypes: Sequence, recorded: Sequence) -> tuple:
     """The dtype each input of a lower-precision call is traced with in region ``mode``."""
-    choose = INPUT_DTYPE[EFFECTIVE_RULE[mode][oplists.LOWER]]
+    choose = INPUT_DTYPE[EFFECTIVE_RULE[mode][oplists.Category.LOWER]]
     return tuple(
         np.dtype(choose(d, r, compute_dtype)) if jnp.issubdtype(d, jnp.floating) else d
         for d, r in zip(dtypes, recorded)
