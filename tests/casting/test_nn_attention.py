@@ -25,7 +25,7 @@ from helpers import eqns
 from jax._src.cudnn import fused_attention_stablehlo
 
 import jamp
-import jamp.nn as jamp_nn
+import jamp.nn.attention as jamp_nn
 from jamp import _jax_compat as jc
 
 
