@@ -173,7 +173,7 @@ def dot_product_attention(
         >>> import jax.numpy as jnp, jamp
         >>> q = jnp.ones((1, 4, 2, 8))  # [batch, length, heads, head_dim], float32
         >>> attention = jamp.autocast(jamp.nn.dot_product_attention, device_type="gpu")
-        >>> out = attention(q, q, q)  # ran in float16 (cuDNN's flash attention on a CUDA GPU)
+        >>> out = attention(q, q, q)  # float16: cuDNN's flash attention on a CUDA GPU
         >>> out.shape, out.dtype  # the float32 function's output
         ((1, 4, 2, 8), dtype('float32'))
     """
@@ -358,7 +358,8 @@ def equinox_multihead_attention(
 
     Examples:
         >>> import equinox as eqx, jax, jax.numpy as jnp, jamp
-        >>> mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=8, key=jax.random.key(0))
+        >>> key = jax.random.key(0)
+        >>> mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=8, key=key)
         >>> x = jnp.ones((4, 8))  # [length, size]
         >>> jamp.nn.equinox_multihead_attention(mha, x, x, x).shape
         (4, 8)
