@@ -69,7 +69,8 @@ def has_nonfinite(grads: Any, *, backend: str = "auto") -> jax.Array:
 
     Examples:
         >>> import jax.numpy as jnp, jamp_kernels
-        >>> jamp_kernels.has_nonfinite({"w": jnp.ones(3), "b": jnp.array([1.0, jnp.nan])})
+        >>> grads = {"w": jnp.ones(3), "b": jnp.array([1.0, jnp.nan])}
+        >>> jamp_kernels.has_nonfinite(grads)
         Array(True, dtype=bool)
         >>> jamp_kernels.has_nonfinite({"w": jnp.ones(3), "step": jnp.arange(3)})
         Array(False, dtype=bool)
@@ -125,8 +126,11 @@ def unscale_and_check(
     Examples:
         >>> import jax.numpy as jnp, jamp_kernels
         >>> grads = {"w": jnp.array([2.0, 4.0]), "step": jnp.arange(2)}
-        >>> jamp_kernels.unscale_and_check(grads, 0.5)
-        ({'step': Array([0, 1], dtype=int32), 'w': Array([1., 2.], dtype=float32)}, Array(False, dtype=bool))
+        >>> unscaled, found_inf = jamp_kernels.unscale_and_check(grads, 0.5)
+        >>> unscaled
+        {'step': Array([0, 1], dtype=int32), 'w': Array([1., 2.], dtype=float32)}
+        >>> found_inf
+        Array(False, dtype=bool)
         >>> jamp_kernels.unscale_and_check({"w": jnp.array([2.0, jnp.inf])}, 0.5)[1]
         Array(True, dtype=bool)
     """

@@ -47,7 +47,8 @@ def unscale(grads: Any, inv_scale: Any) -> Any:
         >>> import jax.numpy as jnp, jamp_kernels
         >>> jamp_kernels.unscale({"w": jnp.array([2.0, 4.0], jnp.bfloat16)}, 0.5)
         {'w': Array([1, 2], dtype=bfloat16)}
-        >>> jamp_kernels.unscale([jnp.array([65536.0])], jamp_kernels.inverse(jnp.float32(2.0**16)))
+        >>> inv_scale = jamp_kernels.inverse(jnp.float32(2.0**16))
+        >>> jamp_kernels.unscale([jnp.array([65536.0])], inv_scale)
         [Array([1.], dtype=float32)]
     """
     leaves, treedef = _leaves.flatten(grads)

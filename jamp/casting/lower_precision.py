@@ -180,7 +180,7 @@ def lower_precision(fn: Callable) -> Callable:
     Examples:
         >>> import jax.numpy as jnp, jamp
         >>> @jamp.lower_precision
-        ... def half_only(x):  # like cuDNN attention: refuses float32 while it is traced
+        ... def half_only(x):  # like cuDNN attention: refuses float32 when traced
         ...     if x.dtype != jnp.float16:
         ...         raise TypeError("float16 only")
         ...     return x * 2

@@ -91,7 +91,8 @@ def kahan_summation(
         >>> import jax, jax.numpy as jnp, optax, jamp
         >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
         >>> grads = {"w": jnp.ones(2, jnp.bfloat16)}
-        >>> tx = jamp.kahan_summation(optax.sgd(1e-3))  # 1e-3: under half bfloat16's spacing at 1.0
+        >>> lr = 1e-3  # under half bfloat16's spacing at 1.0
+        >>> tx = jamp.kahan_summation(optax.sgd(lr))
         >>> opt_state = tx.init(params)
         >>> step = jax.jit(tx.update)
         >>> for _ in range(3):

@@ -32,8 +32,10 @@ class StochasticRoundingState(NamedTuple):
 
     Examples:
         >>> import jax.numpy as jnp, optax, jamp
-        >>> opt_state = jamp.stochastic_rounding(optax.sgd(1e-3), seed=0).init({"w": jnp.ones(2, jnp.bfloat16)})
-        >>> opt_state.key.dtype, opt_state.key.shape  # jax.random.key_data of the default PRNG
+        >>> tx = jamp.stochastic_rounding(optax.sgd(1e-3), seed=0)
+        >>> opt_state = tx.init({"w": jnp.ones(2, jnp.bfloat16)})
+        >>> key = opt_state.key  # jax.random.key_data of the default PRNG
+        >>> key.dtype, key.shape
         (dtype('uint32'), (2,))
     """
 
@@ -115,7 +117,7 @@ def stochastic_rounding(
         >>> grads = {"w": jnp.ones(1000, jnp.bfloat16)}
         >>> updates, opt_state = jax.jit(tx.update)(grads, opt_state, params)
         >>> w = optax.apply_updates(params, updates)["w"]
-        >>> sorted(set(w.tolist()))  # 0.999 rounded down to the next bfloat16 or up to 1, at random
+        >>> sorted(set(w.tolist()))  # at random: 0.999 down to a bfloat16 or up to 1
         [0.99609375, 1.0]
         >>> round(sum(w.tolist()) / 1000, 3)  # 0.999 in expectation
         0.999

@@ -165,7 +165,8 @@ def equinox_multihead_attention(
 
     Examples:
         >>> import equinox as eqx, jax, jax.numpy as jnp, jamp
-        >>> mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=8, key=jax.random.key(0))
+        >>> key = jax.random.key(0)
+        >>> mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=8, key=key)
         >>> x = jnp.ones((4, 8))  # [length, size]
         >>> jamp.nn.equinox_multihead_attention(mha, x, x, x).shape
         (4, 8)

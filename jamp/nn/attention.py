@@ -156,7 +156,7 @@ def dot_product_attention(
         >>> import jax.numpy as jnp, jamp
         >>> q = jnp.ones((1, 4, 2, 8))  # [batch, length, heads, head_dim], float32
         >>> attention = jamp.autocast(jamp.nn.dot_product_attention, device_type="gpu")
-        >>> out = attention(q, q, q)  # ran in float16 (cuDNN's flash attention on a CUDA GPU)
+        >>> out = attention(q, q, q)  # float16: cuDNN's flash attention on a CUDA GPU
         >>> out.shape, out.dtype  # the float32 function's output
         ((1, 4, 2, 8), dtype('float32'))
     """

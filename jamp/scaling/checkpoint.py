@@ -66,12 +66,16 @@ def state_dict(opt_state: Any) -> dict[str, float | int]:
             scaler state or more than one.
 
     Examples:
-        >>> import jax.numpy as jnp, optax, jamp
+        >>> import pprint, jax.numpy as jnp, optax, jamp
         >>> params = {"w": jnp.ones(3)}
         >>> tx = jamp.scaler(optax.sgd(0.1))
         >>> opt_state = tx.init(params)
-        >>> jamp.state_dict(opt_state)
-        {'scale': 65536.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 2000, '_growth_tracker': 0}
+        >>> pprint.pp(jamp.state_dict(opt_state))  # one key a line, in order
+        {'scale': 65536.0,
+         'growth_factor': 2.0,
+         'backoff_factor': 0.5,
+         'growth_interval': 2000,
+         '_growth_tracker': 0}
     """
     st = scaler_state.find(opt_state)
     if isinstance(st, DisabledScalerState):
@@ -123,7 +127,8 @@ def load_state_dict(opt_state: Any, sd: Mapping[str, Any]) -> Any:
         >>> params = {"w": jnp.ones(3)}
         >>> tx = jamp.scaler(optax.sgd(0.1))
         >>> opt_state = tx.init(params)
-        >>> opt_state = jamp.load_state_dict(opt_state, {**jamp.state_dict(opt_state), "scale": 1024.0})
+        >>> sd = {**jamp.state_dict(opt_state), "scale": 1024.0}
+        >>> opt_state = jamp.load_state_dict(opt_state, sd)
         >>> jamp.get_scale(opt_state)
         Array(1024., dtype=float32)
     """

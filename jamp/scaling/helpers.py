@@ -65,7 +65,8 @@ def scale(loss_or_tree: Any, opt_state: Any) -> Any:
         >>> opt_state = tx.init(params)
         >>> jamp.scale(jnp.float32(2.0), opt_state)  # the default scale is 2**16
         Array(131072., dtype=float32)
-        >>> grads = jax.grad(lambda p: jamp.scale(jnp.sum(p["w"] ** 2), opt_state))(params)
+        >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+        >>> grads = jax.grad(lambda p: jamp.scale(loss_fn(p), opt_state))(params)
     """
     scaler_state.refuse_swapped(opt_state, loss_or_tree, "jamp.scale(opt_state, loss)", "jamp.scale(loss, opt_state)")
     scaled = _scaled(loss_or_tree, opt_state)
@@ -104,7 +105,8 @@ def unscale(grads: Any, opt_state: Any) -> Any:
         >>> params = {"w": jnp.ones(3)}
         >>> tx = jamp.scaler(optax.sgd(0.1))
         >>> opt_state = tx.init(params)
-        >>> grads = jax.grad(lambda p: jamp.scale(jnp.sum(p["w"] ** 2), opt_state))(params)
+        >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+        >>> grads = jax.grad(lambda p: jamp.scale(loss_fn(p), opt_state))(params)
         >>> print(optax.tree.norm(jamp.unscale(grads, opt_state)))  # log this
         3.4641016
         >>> updates, opt_state = tx.update(grads, opt_state, params)  # the scaled grads
@@ -171,9 +173,12 @@ def found_inf(opt_state: Any) -> jax.Array:
         >>> params = {"w": jnp.ones(3)}
         >>> tx = jamp.scaler(optax.sgd(0.1))
         >>> opt_state = tx.init(params)
-        >>> _, opt_state = tx.update({"w": jnp.array([1.0, jnp.inf, 0.0])}, opt_state, params)
-        >>> jamp.found_inf(opt_state), jamp.get_scale(opt_state)  # skipped, and the scale backed off
-        (Array(True, dtype=bool), Array(32768., dtype=float32))
+        >>> grads = {"w": jnp.array([1.0, jnp.inf, 0.0])}
+        >>> _, opt_state = tx.update(grads, opt_state, params)
+        >>> jamp.found_inf(opt_state)  # the step was skipped
+        Array(True, dtype=bool)
+        >>> jamp.get_scale(opt_state)  # and the scale backed off from 2**16
+        Array(32768., dtype=float32)
     """
     st = scaler_state.find(opt_state)
     return jnp.zeros((), jnp.bool_) if isinstance(st, DisabledScalerState) else jnp.asarray(st.found_inf)
@@ -250,8 +255,9 @@ def value_and_grad(
         >>> params = {"w": jnp.ones(3)}
         >>> tx = jamp.scaler(optax.sgd(0.1))
         >>> opt_state = tx.init(params)
-        >>> loss, grads = jamp.value_and_grad(lambda p: jnp.sum(p["w"] ** 2))(opt_state, params)
-        >>> loss, grads["w"]  # the loss as fun returned it; the gradients of the scaled loss
+        >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+        >>> loss, grads = jamp.value_and_grad(loss_fn)(opt_state, params)
+        >>> loss, grads["w"]  # the loss as fun returns it; the scaled loss's gradients
         (Array(3., dtype=float32), Array([131072., 131072., 131072.], dtype=float32))
         >>> updates, opt_state = tx.update(grads, opt_state, params)
     """

@@ -88,7 +88,8 @@ def from_restored(target: Any, restored: Any) -> Any:
         ...     "opt_state": {**tx.init(params)._asdict(), "scale": np.float32(1024.0)},
         ... }
         >>> state = jamp.from_restored(target, restored)
-        >>> state["params"]["w"], type(state["opt_state"]).__name__, jamp.get_scale(state["opt_state"])
+        >>> opt_state = state["opt_state"]
+        >>> state["params"]["w"], type(opt_state).__name__, jamp.get_scale(opt_state)
         (Array([2., 2., 2.], dtype=float32), 'ScalerState', Array(1024., dtype=float32))
     """
     added = _added_field_paths(target)

@@ -71,7 +71,8 @@ class SkippedStepsWarning(UserWarning):
         ...     warnings.simplefilter("always", jamp.SkippedStepsWarning)
         ...     _, opt_state = tx.update({"w": jnp.full(3, jnp.inf)}, opt_state, params)
         ...     jamp.report_skipped_steps(opt_state)
-        >>> [w.category.__name__ for w in caught if issubclass(w.category, jamp.SkippedStepsWarning)]
+        >>> kind = jamp.SkippedStepsWarning
+        >>> [w.category.__name__ for w in caught if issubclass(w.category, kind)]
         ['SkippedStepsWarning']
     """
 
@@ -158,7 +159,8 @@ def report_skipped_steps(opt_state: Any) -> None:
     Examples:
         >>> import jax.numpy as jnp, optax, jamp
         >>> tx = jamp.scaler(optax.adam(1e-3))
-        >>> jamp.report_skipped_steps(tx.init({"w": jnp.ones(3)}))  # nothing skipped: no warning
+        >>> opt_state = tx.init({"w": jnp.ones(3)})
+        >>> jamp.report_skipped_steps(opt_state)  # nothing skipped: no warning
     """
     states = [s for s in all_states(opt_state) if isinstance(s, ScalerState)]
     for state in states:

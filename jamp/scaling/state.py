@@ -93,7 +93,8 @@ class DisabledScalerState(NamedTuple):
 
     Examples:
         >>> import jax.numpy as jnp, optax, jamp
-        >>> opt_state = jamp.scaler(optax.adam(1e-3), enabled=False).init({"w": jnp.ones(3)})
+        >>> tx = jamp.scaler(optax.adam(1e-3), enabled=False)
+        >>> opt_state = tx.init({"w": jnp.ones(3)})
         >>> type(opt_state).__name__, opt_state.inner_state[0].count
         ('DisabledScalerState', Array(0, dtype=int32))
         >>> jamp.scale(jnp.float32(2.0), opt_state), jamp.get_scale(opt_state)

@@ -206,7 +206,8 @@ def scaler(
         >>> opt_state = tx.init(params)
         >>> def loss_fn(p):
         ...     return jnp.sum(p["w"] ** 2)
-        >>> grads = jax.grad(lambda p: jamp.scale(loss_fn(p), opt_state))(params)  # scaled
+        >>> scaled_loss_fn = lambda p: jamp.scale(loss_fn(p), opt_state)
+        >>> grads = jax.grad(scaled_loss_fn)(params)  # the scaled loss's gradients
         >>> updates, opt_state = tx.update(grads, opt_state, params)
         >>> updates["w"]  # -0.1 times the unscaled gradient 2.0
         Array([-0.2, -0.2, -0.2], dtype=float32)

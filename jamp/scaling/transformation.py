@@ -57,7 +57,7 @@ class ScalerTransformation(optax.GradientTransformationExtraArgs):
         True
         >>> tx.step  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        AttributeError: jamp.scaler(...).step: torch's scaler.step is updates, opt_state = tx.update(grads, ...
+        AttributeError: ... torch's scaler.step is updates, opt_state = tx.update(...
     """
 
     __slots__ = ()

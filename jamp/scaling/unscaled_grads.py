@@ -57,13 +57,16 @@ class UnscaledGradientsWarning(UserWarning):
         >>> import warnings, jax, jax.numpy as jnp, optax, jamp
         >>> params = {"w": jnp.ones(3)}
         >>> tx = jamp.scaler(optax.sgd(0.1))
+        >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)  # jamp.scale forgotten
         >>> def step(params, opt_state):
-        ...     grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2))(params)  # jamp.scale forgotten
+        ...     grads = jax.grad(loss_fn)(params)
         ...     return tx.update(grads, opt_state, params)
+        >>> opt_state = tx.init(params)
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always", jamp.UnscaledGradientsWarning)
-        ...     _ = jax.eval_shape(step, params, tx.init(params))  # traces, as jax.jit does
-        >>> [w.category.__name__ for w in caught if issubclass(w.category, jamp.UnscaledGradientsWarning)]
+        ...     _ = jax.eval_shape(step, params, opt_state)  # traces, as jax.jit does
+        >>> kind = jamp.UnscaledGradientsWarning
+        >>> [w.category.__name__ for w in caught if issubclass(w.category, kind)]
         ['UnscaledGradientsWarning']
     """
 

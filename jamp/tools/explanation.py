@@ -34,10 +34,18 @@ class Report:
             (whose flops count one trip).
 
     Examples:
-        >>> import jax.numpy as jnp, jamp
-        >>> report = jamp.explain(lambda a, b: a @ b, device_type="gpu")(jnp.ones((2, 3)), jnp.ones((3, 4)))
-        >>> report.summary
-        {'equations': 1, 'matmul_conv_count': 1, 'matmul_conv_low_precision': 1, 'low_precision_flop_share': 1.0, 'float8_flop_share': 0.0, 'casts_inserted': 2, 'activation_bytes_saved': 16, 'equations_in_while_loops': 0}
+        >>> import pprint, jax.numpy as jnp, jamp
+        >>> a, b = jnp.ones((2, 3)), jnp.ones((3, 4))
+        >>> report = jamp.explain(lambda a, b: a @ b, device_type="gpu")(a, b)
+        >>> pprint.pp(report.summary)  # one key a line, in order
+        {'equations': 1,
+         'matmul_conv_count': 1,
+         'matmul_conv_low_precision': 1,
+         'low_precision_flop_share': 1.0,
+         'float8_flop_share': 0.0,
+         'casts_inserted': 2,
+         'activation_bytes_saved': 16,
+         'equations_in_while_loops': 0}
     """
 
     rows: list[OpRecord]
@@ -204,12 +212,15 @@ def explain(fun: Callable, **autocast_kwargs) -> Callable[..., Report]:
 
     Examples:
         >>> import jax, jax.numpy as jnp, jamp
-        >>> report = jamp.explain(lambda a, b: a @ b, device_type="gpu")(jnp.ones((2, 3)), jnp.ones((3, 4)))
-        >>> [(row.primitive, row.ran_dtypes) for row in report.rows]  # the matmul ran in float16
+        >>> a, b = jnp.ones((2, 3)), jnp.ones((3, 4))
+        >>> report = jamp.explain(lambda a, b: a @ b, device_type="gpu")(a, b)
+        >>> [(row.primitive, row.ran_dtypes) for row in report.rows]  # ran in float16
         [('dot_general', ('float16', 'float16'))]
         >>> ws, x = jnp.ones((3, 16, 16)), jnp.ones((8, 16))
-        >>> layers = lambda ws, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
-        >>> [(r.repeats, r.flops) for r in jamp.explain(layers, dtype="bf16")(ws, x).rows if r.flops]
+        >>> layer = lambda h, w: (jnp.tanh(h @ w), None)
+        >>> layers = lambda ws, x: jax.lax.scan(layer, x, ws)[0]
+        >>> report = jamp.explain(layers, dtype="bf16")(ws, x)
+        >>> [(r.repeats, r.flops) for r in report.rows if r.flops]
         [(3, 12288)]
     """
 

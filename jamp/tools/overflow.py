@@ -74,11 +74,14 @@ class Finding:
 
     Examples:
         >>> import jax.numpy as jnp, jamp
-        >>> finding = jamp.find_overflow(lambda a: a @ a, device_type="gpu")(jnp.full((2, 2), 300.0))
+        >>> check = jamp.find_overflow(lambda a: a @ a, device_type="gpu")
+        >>> finding = check(jnp.full((2, 2), 300.0))
         >>> finding.kind, finding.primitive, finding.output_dtype
         ('overflow', 'dot_general', 'float16')
-        >>> finding.bad_elements, finding.total_elements, finding.float32_max_abs  # 2 * 300 * 300
-        (4, 4, 180000.0)
+        >>> finding.bad_elements, finding.total_elements
+        (4, 4)
+        >>> finding.float32_max_abs  # 2 * 300 * 300
+        180000.0
     """
 
     kind: str  # "overflow" (inf/NaN) or "underflow" (flushed to zero)
@@ -217,10 +220,12 @@ def find_overflow(
         >>> check = jamp.find_overflow(lambda a: a @ a, device_type="gpu")
         >>> check(jnp.ones((2, 2))) is None  # nothing overflows
         True
-        >>> check(jnp.full((2, 2), 300.0)).kind  # 2 * 300 * 300 is beyond float16's 65504
+        >>> check(jnp.full((2, 2), 300.0)).kind  # 2 * 300 * 300 > float16's 65504
         'overflow'
         >>> w = jnp.full((256, 256), 300.0)
-        >>> layers = lambda x: jax.lax.scan(lambda h, s: (jnp.tanh(h @ (w * s)), None), x, jnp.array([1e-3, 1.0]))[0]
+        >>> layer = lambda h, s: (jnp.tanh(h @ (w * s)), None)
+        >>> scales = jnp.array([1e-3, 1.0])
+        >>> layers = lambda x: jax.lax.scan(layer, x, scales)[0]
         >>> finding = jamp.find_overflow(layers, device_type="gpu")(jnp.ones((4, 256)))
         >>> finding.primitive, finding.iteration  # the second layer of the scan
         ('dot_general', (1,))

@@ -42,10 +42,13 @@ class OpRecord:
 
     Examples:
         >>> import jax.numpy as jnp, jamp
-        >>> report = jamp.explain(lambda a, b: a @ b, device_type="gpu")(jnp.ones((2, 3)), jnp.ones((3, 4)))
+        >>> a, b = jnp.ones((2, 3)), jnp.ones((3, 4))
+        >>> report = jamp.explain(lambda a, b: a @ b, device_type="gpu")(a, b)
         >>> row = report.rows[0]
-        >>> row.primitive, row.traced_dtypes, row.ran_dtypes, row.rule, row.casts, row.flops
-        ('dot_general', ('float32', 'float32'), ('float16', 'float16'), 'lower', 2, 48)
+        >>> row.primitive, row.traced_dtypes, row.ran_dtypes
+        ('dot_general', ('float32', 'float32'), ('float16', 'float16'))
+        >>> row.rule, row.casts, row.flops
+        ('lower', 2, 48)
     """
 
     primitive: str

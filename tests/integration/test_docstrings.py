@@ -10,6 +10,9 @@ The public names are what docs/api.md renders: ``jamp.__all__`` (its ``nn`` modu
   whose ``>>>`` lines render as nested quotes), so no method a class renders may say ``Example:`` either.
 * The examples of each docstring run as one doctest, in fresh globals holding jax, jnp, np, optax, jamp and
   jamp_kernels, and must print exactly what they show.
+* Every line of code the API page renders from a docstring (its examples: the ``>>>`` and ``...`` lines and
+  the output they show; a fenced block) fits in the column a 1280 px window shows without scrolling, as
+  the code blocks of the other pages do (tests/integration/test_docs_browser.py sees it in a browser).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import doctest
 import importlib.util
 import inspect
 import io
+import pydoc
 import re
+import textwrap
 from pathlib import Path
 
 import jax
@@ -121,3 +126,64 @@ def test_docstring_examples_run():
     skipped |= {name for name, module in NEEDS.items() if importlib.util.find_spec(module) is None}
     failures = "".join(run_examples(name) for name in sorted(PUBLIC) if name not in skipped)
     assert not failures, failures
+
+
+# Columns of a docstring's code block that docs/api.md shows whole in a 1280 px window: measured in headless
+# Chromium (tests/browser.py) on the built API page, where every code block, an example's included, is as
+# wide as on the other pages (688 px, 16 px padding each side, 8.18 px a character at 13.6 px: 80 columns;
+# an 81st hides 7 px behind a scrollbar). A class's members render their docstrings at that width too.
+EXAMPLE_COLUMNS = 80
+DOCTEST_FLAGS = re.compile(r"\s*#\s*doctest:.+$")  # mkdocstrings trims them from what it renders
+RENDERED = re.compile(r"^::: (?P<name>\S+)\n(?:    options:\n      members: \[(?P<members>[^\]]*)\]\n)?", re.M)
+
+
+def rendered_docstrings() -> dict[str, str]:
+    """``{name: docstring}`` of everything docs/api.md renders: each ``::: name`` entry and its public members
+    (a module's as its ``members:`` option lists them)."""
+    docs = {}
+    for entry in RENDERED.finditer((ROOT / "docs" / "api.md").read_text()):
+        obj = pydoc.locate(entry["name"])
+        assert obj is not None, f"docs/api.md renders {entry['name']}, which does not import"
+        if entry["members"]:
+            members = {m.strip(): getattr(obj, m.strip()) for m in entry["members"].split(",")}
+        else:
+            members = {k: v for k, v in vars(obj).items() if not k.startswith("_")} if inspect.isclass(obj) else {}
+        for name, value in {"": obj, **members}.items():
+            doc = value.__doc__ if callable(value) or isinstance(value, property) or inspect.ismodule(value) else None
+            if doc:
+                docs[f"{entry['name']}.{name}".rstrip(".")] = inspect.cleandoc(doc)
+    return docs
+
+
+def code_lines(doc: str) -> list[str]:
+    """The lines of a cleaned docstring that render as code, as wide as they render: each example of its
+    ``Examples:`` section (a ``>>>`` line and all that follows it up to a blank line, dedented, doctest flags
+    trimmed) and each fenced block anywhere."""
+    lines, fence = [], None  # the indentation of the open fence
+    for line in doc.splitlines():
+        if line.strip().startswith("```"):
+            fence = None if fence is not None else len(line) - len(line.lstrip())
+        elif fence is not None:
+            lines.append(line[fence:])
+    example = False
+    for line in textwrap.dedent(sections(doc).get("Examples", "")).splitlines():
+        example = bool(line.strip()) and (example or line.startswith(">>>"))
+        if example:
+            lines.append(DOCTEST_FLAGS.sub("", line))
+    return lines
+
+
+def test_code_lines_fit_the_api_page():
+    """What a 1280 px window shows of a docstring's examples: nothing hides behind a scrollbar. Split a long
+    statement over ``...`` lines, name a value on its own line, or print a dict one key a line."""
+    docs = rendered_docstrings()
+    assert set(PUBLIC) <= docs.keys(), sorted(set(PUBLIC) - docs.keys())
+    long = [
+        f"{name}: {len(line)} columns: {line.strip()[:60]}"
+        for name, doc in docs.items()
+        for line in code_lines(doc)
+        if len(line) > EXAMPLE_COLUMNS
+    ]
+    assert not long, (
+        f"{len(long)} code lines wider than {EXAMPLE_COLUMNS} columns hide behind a scrollbar:\n" + "\n".join(long)
+    )
