@@ -4,8 +4,8 @@ The step only counts episodes (:mod:`jamp.scaling.skip_episodes`); nothing in it
 callback in a jitted step takes every call of it off JAX's C++ dispatch path (an AOT-compiled small Adam step
 ran 4.9x slower with one), and the ``lax.cond`` around it made a GPU read its predicate on the host every
 step. Instead the host looks at the state when JAX flattens it, which it does each time the state is passed
-to the next step (``ScalerState`` is registered as a pytree node whose flatten does that look, see
-:func:`observe`):
+to the next step, and as a jitted step's first call (its cache miss) returns it (``ScalerState`` is registered
+as a pytree node whose flatten does that look, see :func:`observe`):
 
 * it never waits: it reads only arrays the device has finished, and an array donated meanwhile is skipped;
 * it stays cheap: a read is a few scalars, and after a read the host waits 100 times that read's duration
