@@ -100,7 +100,7 @@ def test_training_under_nnx_jit_keeps_eval_loss_at_float32s(where):
     )
     x = jax.random.normal(jax.random.key(3), (256, 8)) * 2.0 + 1.0
     y = jnp.argmax(x[:, :4], -1)
-    losses = {}
+    losses, statistics = {}, {}
     for name, loss in (("float32", loss_fn), ("amp", amp_loss)):
         model = Net(nnx.Rngs(0), rate=0.1)
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
@@ -109,8 +109,15 @@ def test_training_under_nnx_jit_keeps_eval_loss_at_float32s(where):
             step(model, optimizer, x, y)
         model.eval()
         losses[name] = float(loss_fn(model, x, y))
+        statistics[name] = np.asarray(model.bn.mean[...]), np.asarray(model.bn.var[...])
         assert int(model.drop.rngs.count[...]) == 30
-    assert abs(losses["amp"] / losses["float32"] - 1) < 0.01, losses
+    (mean, var), (amp_mean, amp_var) = statistics["float32"], statistics["amp"]
+    assert np.abs(var - 1).min() > 0.05  # the running statistics moved (frozen, var stays at ones)...
+    np.testing.assert_allclose(amp_var, var, rtol=1e-2)  # ...as float32's did
+    np.testing.assert_allclose(amp_mean, mean, atol=0.05 * np.abs(mean).max())
+    # 30 Adam steps with dropout amplify float16 rounding: over seeds 0-5 the eval loss lands within 2.5% of
+    # float32's (the frozen statistics gave 3-4% on top)
+    assert abs(losses["amp"] / losses["float32"] - 1) < 0.03, losses
 
 
 def test_graph_nodes_inside_pytrees_and_shared_references():
