@@ -1,0 +1,156 @@
+"""Program size and compile time of ``jamp.scaler(adam)``'s step against bare Adam's (issue 38).
+
+Two parameter trees (float32, shapes only: nothing is allocated, so GPT-2 small's 124M parameters cost no
+memory), each step ``jax.jit``-ed with params and optimizer state donated, as in
+benchmarks/scaler_overhead.py:
+
+  40 leaves      four transformer blocks of d=256: LayerNorm scale and bias, qkv 256x768 + bias, proj
+                 256x256 + bias, MLP 256x1024 + bias and 1024x256 + bias (mixed 1-D and 2-D shapes)
+  GPT-2 small    the real tree of GPT-2 small (148 leaves, benchmarks/scaler_overhead.py's gpt2_small)
+
+Bare Adam is scaler_overhead.py's baseline: Adam with the unscale (times a constant) fused in, what any
+scaler's step must at least hold. The scaler is the default ``jamp.scaler(optax.adam(1e-3))``.
+
+For each it prints the optimized HLO that XLA:CPU compiles (``.compile().as_text()``: lines and
+instructions), the StableHLO of the program lowered for "cuda" without a device
+(``jax.jit(step).trace(...).lower(lowering_platforms=("cuda",))``: lines and operations) and the XLA:CPU
+compile time (median of ``--repeats`` compiles, each of a freshly traced and lowered step, so no cache
+answers), then the scaler's ratio to bare Adam against the goal of 1.25 with "met"/"not met".
+
+    python benchmarks/compile_cost.py [--trees 40,gpt2] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from scaler_overhead import SCALE, gpt2_small, is_shape
+
+import jamp
+
+GOAL = 1.25
+
+
+def forty_leaves(d: int = 256) -> dict:
+    """Four blocks of ten leaves each: LayerNorm vectors, attention and MLP kernels with their biases."""
+
+    def dense(n_in, n_out):
+        return {"kernel": (n_in, n_out), "bias": (n_out,)}
+
+    def block():
+        return {
+            "ln": {"scale": (d,), "bias": (d,)},
+            "qkv": dense(d, 3 * d),
+            "proj": dense(d, d),
+            "fc": dense(d, 4 * d),
+            "out": dense(4 * d, d),
+        }
+
+    return {f"block{i}": block() for i in range(4)}
+
+
+TREES = {"40": ("40 leaves (4 blocks, d=256)", forty_leaves), "gpt2": ("GPT-2 small (148 leaves)", gpt2_small)}
+
+
+def bare_step(tx: optax.GradientTransformation) -> Callable:
+    def step(params, state, grads):
+        updates, state = tx.update(jax.tree.map(lambda g: g * (1.0 / SCALE), grads), state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def scaler_step(tx: optax.GradientTransformation) -> Callable:
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+VARIANTS = {
+    "bare Adam": lambda: (optax.adam(1e-3), bare_step),
+    "jamp.scaler(adam)": lambda: (jamp.scaler(optax.adam(1e-3), init_scale=SCALE), scaler_step),
+}
+
+
+def hlo_size(text: str) -> tuple[int, int]:
+    """(lines, instructions) of an optimized HLO module's text: an instruction is a line that names one."""
+    lines = text.splitlines()
+    return len(lines), sum(1 for line in lines if re.match(r"\s+(ROOT )?%\S+ = ", line))
+
+
+def stablehlo_size(text: str) -> tuple[int, int]:
+    """(lines, operations) of a StableHLO module's text: an operation is a line that defines a value, or a
+    ``return``/``stablehlo.return``."""
+    lines = text.splitlines()
+    return len(lines), sum(1 for line in lines if re.match(r"\s+(%\S+ = |return |stablehlo\.return )", line))
+
+
+def measure(shapes, make: Callable, repeats: int) -> dict:
+    tx, step_of = make()
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=is_shape)
+    state = jax.eval_shape(tx.init, params)
+    args = (params, state, params)
+
+    def traced():  # a new function each time: nothing cached answers the trace, the lowering or the compile
+        return jax.jit(step_of(tx), donate_argnums=(0, 1)).trace(*args)
+
+    times, compiled = [], None
+    for _ in range(repeats):
+        lowered = traced().lower()
+        start = time.perf_counter()
+        compiled = lowered.compile()
+        times.append(time.perf_counter() - start)
+    cuda = traced().lower(lowering_platforms=("cuda",)).as_text()
+    return {
+        "cpu_hlo": hlo_size(compiled.as_text()),
+        "cuda_stablehlo": stablehlo_size(cuda),
+        "compile_s": statistics.median(times),
+    }
+
+
+def verdict(ratio: float) -> str:
+    return "met" if ratio <= GOAL else "not met"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trees", default="40,gpt2", help=f"comma-separated, from {sorted(TREES)}")
+    ap.add_argument("--repeats", type=int, default=3, help="compiles per variant (the median is printed)")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")  # donation warnings: nothing runs
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}; goal: the scaler's step / bare Adam's <= {GOAL}")
+    rows = []
+    for key in args.trees.split(","):
+        title, shapes = TREES[key]
+        got = {name: measure(shapes(), make, args.repeats) for name, make in VARIANTS.items()}
+        bare, amp = got["bare Adam"], got["jamp.scaler(adam)"]
+        for what, label, unit in [
+            ("cpu_hlo", "CPU optimized HLO", "instructions"),
+            ("cuda_stablehlo", 'StableHLO lowered for "cuda"', "operations"),
+        ]:
+            (bl, bo), (sl, so) = bare[what], amp[what]
+            rows.append((title, f"{label}, lines", bl, sl, sl / bl))
+            rows.append((title, f"{label}, {unit}", bo, so, so / bo))
+        rows.append(
+            (title, "XLA:CPU compile, s", bare["compile_s"], amp["compile_s"], amp["compile_s"] / bare["compile_s"])
+        )
+    print()
+    print("| tree | measure | bare Adam | jamp.scaler(adam) | ratio | goal 1.25 |")
+    print("|---|---|---|---|---|---|")
+    for title, what, b, s, r in rows:
+        fmt = "{:.2f}" if isinstance(b, float) else "{}"
+        print(f"| {title} | {what} | {fmt.format(b)} | {fmt.format(s)} | {r:.2f}x | {verdict(r)} |")
+
+
+if __name__ == "__main__":
+    main()
