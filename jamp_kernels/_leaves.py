@@ -101,19 +101,40 @@ def from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
-def scale(x: jax.Array, factor: jax.Array, power_of_two: jax.Array) -> jax.Array:
+def once(x: jax.Array) -> jax.Array:
+    """``x``, bit for bit, computed once: its bits divided by 1, a 1 that XLA does not see.
+
+    Many loops read the scalars of the scale (its inverse, the new scale). XLA fuses the cheap scalar steps
+    that compute them into every loop that reads them, hundreds of copies in a large tree, and XLA:CPU
+    removes ``lax.optimization_barrier`` before it fuses. An integer division by a value that XLA cannot
+    fold counts as expensive, so XLA computes it, and what feeds it, once, and the loops read the result.
+    """
+    bits = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(x, bits_dtype(x.dtype))
+    out = bits // ((bits | 1) != 0).astype(bits.dtype)
+    return out.astype(jnp.bool_) if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(out, x.dtype)
+
+
+def keeps(factor: jax.Array, power_of_two: jax.Array) -> jax.Array:
+    """Whether the inverse ``factor * power_of_two`` is exactly 1, where :func:`scale` returns its input."""
+    return (factor == 1) & (power_of_two == 1)
+
+
+def scale(x: jax.Array, factor: jax.Array, power_of_two: jax.Array, keep: jax.Array | None = None) -> jax.Array:
     """One leaf (or block) times ``factor * power_of_two`` in opmath, rounded once (the power of two is
     exact); an inverse of exactly 1 returns ``x`` bit for bit, subnormals included, as torch's
-    ``(inv_scale == 1) ? val : val * inv_scale`` does.
+    ``(inv_scale == 1) ? val : val * inv_scale`` does. ``keep`` is :func:`keeps` of the pair, computed here
+    when not given (a caller that scales many leaves computes it once).
 
-    The select picks between the bits of ``x`` and of the product, not between float values: XLA:CPU
-    flushes subnormals in arithmetic, and it widens a bfloat16 select to float32 and narrows the result
-    back, which flushes subnormals wherever the float32-to-bfloat16 convert is the AVX512-BF16
-    instruction ``vcvtneps2bf16`` (it always flushes). Bitcasts cost nothing. ``x * factor`` comes
-    first: for the pair of a subnormal scale it is ``x / scale * 2**-64``, a normal float whenever ``x``
-    is (``x / scale > 1``).
+    The select picks between ``x`` and the product unchanged: XLA:CPU flushes subnormals in arithmetic, not
+    in a select. For 16-bit floats it picks between their bits: XLA:CPU widens a bfloat16 select to float32
+    and narrows the result back, which flushes subnormals wherever the float32-to-bfloat16 convert is the
+    AVX512-BF16 instruction ``vcvtneps2bf16`` (it always flushes). Bitcasts cost nothing. ``x * factor``
+    comes first: for the pair of a subnormal scale it is ``x / scale * 2**-64``, a normal float whenever
+    ``x`` is (``x / scale > 1``).
     """
     op = opmath(x.dtype)
     scaled = (x.astype(op) * factor.astype(op) * power_of_two.astype(op)).astype(x.dtype)
-    keep = (factor == 1) & (power_of_two == 1)
+    keep = keeps(factor, power_of_two) if keep is None else keep
+    if np.dtype(x.dtype).itemsize >= 4:
+        return jax.lax.select(jnp.broadcast_to(keep, x.shape) if jnp.ndim(keep) else keep, x, scaled)
     return from_bits(jnp.where(keep, to_bits(x), to_bits(scaled)), x.dtype)

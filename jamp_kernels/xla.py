@@ -53,8 +53,9 @@ def unscale(grads: Any, inv_scale: Any) -> Any:
     """
     leaves, treedef = _leaves.flatten(grads)
     inv = _leaves.inv_scale_pair(inv_scale)
+    factor, power, keep = (_leaves.once(v) for v in (inv[0], inv[1], _leaves.keeps(inv[0], inv[1])))
     return jax.tree.unflatten(
-        treedef, [_leaves.scale(g, inv[0], inv[1]) if _leaves.is_scaled(g) else g for g in leaves]
+        treedef, [_leaves.scale(g, factor, power, keep) if _leaves.is_scaled(g) else g for g in leaves]
     )
 
 
