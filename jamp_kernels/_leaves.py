@@ -101,6 +101,30 @@ def from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
+class Spread:
+    """Scalars broadcast once per shape and dtype, for one trace: a tree of many leaves of a few shapes then
+    holds one broadcast of each scalar per shape (GPT-2's 148 leaves have 11 shapes), not one per leaf."""
+
+    def __init__(self) -> None:
+        self._made: dict = {}
+
+    def __call__(self, name: str, scalar: Any, like: jax.Array, dtype: Any = None) -> jax.Array:
+        """``scalar`` (which ``name`` stands for in this trace) as an array of ``like``'s shape, in ``dtype``
+        (``like``'s by default)."""
+        dtype = np.dtype(like.dtype if dtype is None else dtype)
+        key = (name, like.shape, dtype)
+        if key not in self._made:
+            self._made[key] = jax.lax.broadcast(jnp.asarray(scalar, dtype), like.shape)
+        return self._made[key]
+
+    def fork(self) -> Spread:
+        """A Spread that starts with this one's arrays: for a nested trace (a branch of
+        ``lax.platform_dependent``), whose own arrays must not leak into this one's."""
+        forked = Spread()
+        forked._made = dict(self._made)
+        return forked
+
+
 def once(x: jax.Array) -> jax.Array:
     """``x``, bit for bit, computed once: its bits divided by 1, a 1 that XLA does not see.
 
@@ -122,8 +146,9 @@ def keeps(factor: jax.Array, power_of_two: jax.Array) -> jax.Array:
 def scale(x: jax.Array, factor: jax.Array, power_of_two: jax.Array, keep: jax.Array | None = None) -> jax.Array:
     """One leaf (or block) times ``factor * power_of_two`` in opmath, rounded once (the power of two is
     exact); an inverse of exactly 1 returns ``x`` bit for bit, subnormals included, as torch's
-    ``(inv_scale == 1) ? val : val * inv_scale`` does. ``keep`` is :func:`keeps` of the pair, computed here
-    when not given (a caller that scales many leaves computes it once).
+    ``(inv_scale == 1) ? val : val * inv_scale`` does. ``factor`` and ``power_of_two`` are scalars or arrays
+    of ``x``'s shape (:class:`Spread`); ``keep``, a scalar, is :func:`keeps` of the pair, computed here when
+    not given (a caller that scales many leaves computes it once).
 
     The select picks between ``x`` and the product unchanged: XLA:CPU flushes subnormals in arithmetic, not
     in a select. For 16-bit floats it picks between their bits: XLA:CPU widens a bfloat16 select to float32

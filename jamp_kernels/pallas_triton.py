@@ -53,7 +53,7 @@ class _Span(NamedTuple):
 
 
 def _layout(leaves: Sequence[jax.Array]) -> tuple[_Span, ...]:
-    """The grid positions of float ``leaves`` (flat, before they are bitcast to their bits)."""
+    """The grid positions of float ``leaves`` (as if flat, before they are bitcast to their bits)."""
     spans, first = [], 0
     for g in leaves:
         if g.size >= 2**31:
@@ -127,7 +127,7 @@ def _out_struct(shape, dtype, like: Sequence[jax.Array]) -> jax.ShapeDtypeStruct
 
 def _launch(leaves: Sequence[jax.Array], inv: jax.Array | None, *, interpret: bool, donate: bool):
     """One ``pallas_call`` over ``leaves``: with ``inv``, unscale and check; without, check only (reads only)."""
-    spans = _layout([g.reshape(-1) for g in leaves])
+    spans = _layout(leaves)
     flat = [_leaves.to_bits(g.reshape(-1)) for g in leaves]
     programs = spans[-1].first + spans[-1].blocks
     flags = _out_struct((programs,), jnp.int32, flat)

@@ -54,9 +54,13 @@ def unscale(grads: Any, inv_scale: Any) -> Any:
     leaves, treedef = _leaves.flatten(grads)
     inv = _leaves.inv_scale_pair(inv_scale)
     factor, power, keep = (_leaves.once(v) for v in (inv[0], inv[1], _leaves.keeps(inv[0], inv[1])))
-    return jax.tree.unflatten(
-        treedef, [_leaves.scale(g, factor, power, keep) if _leaves.is_scaled(g) else g for g in leaves]
-    )
+    spread = _leaves.Spread()
+
+    def scale(g):
+        op = _leaves.opmath(g.dtype)
+        return _leaves.scale(g, spread("factor", factor, g, op), spread("power", power, g, op), keep)
+
+    return jax.tree.unflatten(treedef, [scale(g) if _leaves.is_scaled(g) else g for g in leaves])
 
 
 def _view_length(size: int) -> int:
