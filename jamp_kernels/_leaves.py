@@ -134,7 +134,7 @@ def once(x: jax.Array) -> jax.Array:
     fold counts as expensive, so XLA computes it, and what feeds it, once, and the loops read the result.
     """
     bits = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(x, bits_dtype(x.dtype))
-    out = bits // ((bits | 1) != 0).astype(bits.dtype)
+    out = jax.lax.div(bits, ((bits | 1) != 0).astype(bits.dtype))
     return out.astype(jnp.bool_) if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(out, x.dtype)
 
 
