@@ -13,7 +13,8 @@ scaler's step must at least hold. The scaler is the default ``jamp.scaler(optax.
 
 For each it prints the optimized HLO that XLA:CPU compiles (``.compile().as_text()``: lines and
 instructions), the StableHLO of the program lowered for "cuda" without a device
-(``jax.jit(step).trace(...).lower(lowering_platforms=("cuda",))``: lines and operations) and the XLA:CPU
+(``jax.jit(step).trace(...).lower(lowering_platforms=("cuda",))``, through ``jamp._jax_compat.lower_for_cuda``,
+which lets jax >= 0.11 lower the Triton kernel on a host without a GPU: lines and operations) and the XLA:CPU
 compile time (median of ``--repeats`` compiles, each of a freshly traced and lowered step, so no cache
 answers), then the scaler's ratio to bare Adam against the goal of 1.25 with "met"/"not met".
 
@@ -35,6 +36,7 @@ import optax
 from scaler_overhead import SCALE, gpt2_small, is_shape
 
 import jamp
+from jamp import _jax_compat as jc
 
 GOAL = 1.25
 
@@ -110,7 +112,7 @@ def measure(shapes, make: Callable, repeats: int) -> dict:
         start = time.perf_counter()
         compiled = lowered.compile()
         times.append(time.perf_counter() - start)
-    cuda = traced().lower(lowering_platforms=("cuda",)).as_text()
+    cuda = jc.lower_for_cuda(step_of(tx), *args).as_text()  # jax.jit(...).trace(...).lower(lowering_platforms=...)
     return {
         "cpu_hlo": hlo_size(compiled.as_text()),
         "cuda_stablehlo": stablehlo_size(cuda),

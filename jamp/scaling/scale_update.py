@@ -49,7 +49,10 @@ def next_scale(state: ScalerState, found_inf: jax.Array) -> tuple[jax.Array, jax
     """
     counted = state.growth_tracker + 1
     grow = ~found_inf & (counted == state.growth_interval)
-    pick = lambda c, a, b: jnp.where(c[..., None], a, b)  # noqa: E731  the factors are (high, low) word pairs
+
+    def pick(c, a, b):  # the factors are (high, low) word pairs
+        return jnp.where(c[..., None], a, b)
+
     factor = pick(found_inf, state.backoff_factor, pick(grow, state.growth_factor, _ONE))
     product = _bits(exact_mul.mul_f32_f64(state.scale, factor))
     scale, lo, hi = _bits(state.scale), _bits(state.min_scale), _bits(state.max_scale)
