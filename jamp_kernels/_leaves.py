@@ -112,9 +112,9 @@ class Spread:
         """``scalar`` (which ``name`` stands for in this trace) as an array of ``like``'s shape, in ``dtype``
         (``like``'s by default)."""
         dtype = np.dtype(like.dtype if dtype is None else dtype)
-        key = (name, like.shape, dtype)
+        key = (name, like.shape, dtype, jax.typeof(like).sharding)  # sharded like ``like`` under explicit axes
         if key not in self._made:
-            self._made[key] = jax.lax.broadcast(jnp.asarray(scalar, dtype), like.shape)
+            self._made[key] = jax.lax.full_like(like, jnp.asarray(scalar, dtype), dtype)
         return self._made[key]
 
     def fork(self) -> Spread:
