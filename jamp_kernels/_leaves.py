@@ -101,19 +101,65 @@ def from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
-def scale(x: jax.Array, factor: jax.Array, power_of_two: jax.Array) -> jax.Array:
+class Spread:
+    """Scalars broadcast once per shape and dtype, for one trace: a tree of many leaves of a few shapes then
+    holds one broadcast of each scalar per shape (GPT-2's 148 leaves have 11 shapes), not one per leaf."""
+
+    def __init__(self) -> None:
+        self._made: dict = {}
+
+    def __call__(self, name: str, scalar: Any, like: jax.Array, dtype: Any = None) -> jax.Array:
+        """``scalar`` (which ``name`` stands for in this trace) as an array of ``like``'s shape, in ``dtype``
+        (``like``'s by default)."""
+        dtype = np.dtype(like.dtype if dtype is None else dtype)
+        key = (name, like.shape, dtype, jax.typeof(like).sharding)  # sharded like ``like`` under explicit axes
+        if key not in self._made:
+            self._made[key] = jax.lax.full_like(like, jnp.asarray(scalar, dtype), dtype)
+        return self._made[key]
+
+    def fork(self) -> Spread:
+        """A Spread that starts with this one's arrays: for a nested trace (a branch of
+        ``lax.platform_dependent``), whose own arrays must not leak into this one's."""
+        forked = Spread()
+        forked._made = dict(self._made)
+        return forked
+
+
+def once(x: jax.Array) -> jax.Array:
+    """``x``, bit for bit, computed once: its bits divided by 1, a 1 that XLA does not see.
+
+    Many loops read the scalars of the scale (its inverse, the new scale). XLA fuses the cheap scalar steps
+    that compute them into every loop that reads them, hundreds of copies in a large tree, and XLA:CPU
+    removes ``lax.optimization_barrier`` before it fuses. An integer division by a value that XLA cannot
+    fold counts as expensive, so XLA computes it, and what feeds it, once, and the loops read the result.
+    """
+    bits = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(x, bits_dtype(x.dtype))
+    out = jax.lax.div(bits, ((bits | 1) != 0).astype(bits.dtype))
+    return out.astype(jnp.bool_) if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(out, x.dtype)
+
+
+def keeps(factor: jax.Array, power_of_two: jax.Array) -> jax.Array:
+    """Whether the inverse ``factor * power_of_two`` is exactly 1, where :func:`scale` returns its input."""
+    return (factor == 1) & (power_of_two == 1)
+
+
+def scale(x: jax.Array, factor: jax.Array, power_of_two: jax.Array, keep: jax.Array | None = None) -> jax.Array:
     """One leaf (or block) times ``factor * power_of_two`` in opmath, rounded once (the power of two is
     exact); an inverse of exactly 1 returns ``x`` bit for bit, subnormals included, as torch's
-    ``(inv_scale == 1) ? val : val * inv_scale`` does.
+    ``(inv_scale == 1) ? val : val * inv_scale`` does. ``factor`` and ``power_of_two`` are scalars or arrays
+    of ``x``'s shape (:class:`Spread`); ``keep``, a scalar, is :func:`keeps` of the pair, computed here when
+    not given (a caller that scales many leaves computes it once).
 
-    The select picks between the bits of ``x`` and of the product, not between float values: XLA:CPU
-    flushes subnormals in arithmetic, and it widens a bfloat16 select to float32 and narrows the result
-    back, which flushes subnormals wherever the float32-to-bfloat16 convert is the AVX512-BF16
-    instruction ``vcvtneps2bf16`` (it always flushes). Bitcasts cost nothing. ``x * factor`` comes
-    first: for the pair of a subnormal scale it is ``x / scale * 2**-64``, a normal float whenever ``x``
-    is (``x / scale > 1``).
+    The select picks between ``x`` and the product unchanged: XLA:CPU flushes subnormals in arithmetic, not
+    in a select. For 16-bit floats it picks between their bits: XLA:CPU widens a bfloat16 select to float32
+    and narrows the result back, which flushes subnormals wherever the float32-to-bfloat16 convert is the
+    AVX512-BF16 instruction ``vcvtneps2bf16`` (it always flushes). Bitcasts cost nothing. ``x * factor``
+    comes first: for the pair of a subnormal scale it is ``x / scale * 2**-64``, a normal float whenever
+    ``x`` is (``x / scale > 1``).
     """
     op = opmath(x.dtype)
     scaled = (x.astype(op) * factor.astype(op) * power_of_two.astype(op)).astype(x.dtype)
-    keep = (factor == 1) & (power_of_two == 1)
+    keep = keeps(factor, power_of_two) if keep is None else keep
+    if np.dtype(x.dtype).itemsize >= 4:
+        return jax.lax.select(jnp.broadcast_to(keep, x.shape) if jnp.ndim(keep) else keep, x, scaled)
     return from_bits(jnp.where(keep, to_bits(x), to_bits(scaled)), x.dtype)

@@ -8,7 +8,8 @@ works on. Every program writes one int32 flag; a tiny XLA reduction turns them i
 of their width and are bitcast to their float type only for the arithmetic: a value the kernel returns
 unchanged is then moved, never converted (interpret mode runs on XLA:CPU, which widens bfloat16 loads,
 stores and selects to float32 and narrows them back with a convert that flushes subnormals on CPUs with
-AVX512-BF16). Triton runs on Ampere and newer; the default Mosaic
+AVX512-BF16). The read-only check returns no values and takes the leaves as they are: a flushed subnormal
+is still finite. Triton runs on Ampere and newer; the default Mosaic
 GPU path of ``pallas_call`` is Hopper-only, so ``CompilerParams`` from ``pallas.triton`` selects Triton.
 """
 
@@ -53,7 +54,7 @@ class _Span(NamedTuple):
 
 
 def _layout(leaves: Sequence[jax.Array]) -> tuple[_Span, ...]:
-    """The grid positions of float ``leaves`` (flat, before they are bitcast to their bits)."""
+    """The grid positions of float ``leaves`` (as if flat, before they are bitcast to their bits)."""
     spans, first = [], 0
     for g in leaves:
         if g.size >= 2**31:
@@ -76,7 +77,8 @@ def _leaf_block(span: _Span, x_ref, o_ref, inv, pid, masked: bool) -> jax.Array:
     mask = None
     if masked:
         mask = start + lax.broadcasted_iota(jnp.int32, (span.block,), 0) < span.size
-    x = _leaves.from_bits(plt.load(x_ref.at[window], mask=mask), span.dtype)
+    x = plt.load(x_ref.at[window], mask=mask)
+    x = _leaves.from_bits(x, span.dtype) if x.dtype != span.dtype else x  # the check reads floats
     if o_ref is not None:
         plt.store(o_ref.at[window], _leaves.to_bits(_leaves.scale(x, *inv)), mask=mask)
     bad = jnp.logical_not(jnp.isfinite(x.astype(_leaves.opmath(x.dtype))))
@@ -127,8 +129,8 @@ def _out_struct(shape, dtype, like: Sequence[jax.Array]) -> jax.ShapeDtypeStruct
 
 def _launch(leaves: Sequence[jax.Array], inv: jax.Array | None, *, interpret: bool, donate: bool):
     """One ``pallas_call`` over ``leaves``: with ``inv``, unscale and check; without, check only (reads only)."""
-    spans = _layout([g.reshape(-1) for g in leaves])
-    flat = [_leaves.to_bits(g.reshape(-1)) for g in leaves]
+    spans = _layout(leaves)
+    flat = [g.reshape(-1) if inv is None else _leaves.to_bits(g.reshape(-1)) for g in leaves]
     programs = spans[-1].first + spans[-1].blocks
     flags = _out_struct((programs,), jnp.int32, flat)
     flag_spec = pl.BlockSpec((1,), lambda b: (b,))

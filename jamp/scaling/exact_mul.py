@@ -39,25 +39,31 @@ def from_words(words) -> float:
 
 def _mul_limbs(a: list, b: list) -> list:
     """Schoolbook product of little-endian 16-bit limbs held in uint32; returns 16-bit limbs."""
-    cols = [jnp.zeros_like(a[0]) for _ in range(len(a) + len(b) + 1)]
+    cols: list = [None] * (len(a) + len(b))  # column sums: at most 2 * len(a) terms below 2**16 each
+
+    def add(k, v):
+        cols[k] = v if cols[k] is None else cols[k] + v
+
     for i, ai in enumerate(a):
         for j, bj in enumerate(b):
             p = ai * bj  # < 2**32: exact in uint32
-            cols[i + j] = cols[i + j] + (p & 0xFFFF)
-            cols[i + j + 1] = cols[i + j + 1] + (p >> 16)
-    limbs, carry = [], jnp.zeros_like(a[0])
+            add(i + j, p & 0xFFFF)
+            add(i + j + 1, p >> 16)
+    limbs, carry = [], None
     for c in cols:
-        c = c + carry
+        c = c if carry is None else c + carry
         limbs.append(c & 0xFFFF)
         carry = c >> 16
-    return limbs
+    return [*limbs, carry]
 
 
-def _bits(limbs: list, lo: int, n: int) -> jax.Array:
-    """Bits ``lo .. lo+n-1`` (n <= 16) of a number given as 16-bit limbs."""
+def _field(words: dict, limbs: list, lo: int, n: int, back: jax.Array) -> jax.Array:
+    """Bits ``lo - back .. lo - back + n - 1`` (n <= 16, ``lo % 16 >= 1``) of a number given as 16-bit limbs;
+    ``words`` keeps the 32-bit words already formed, so that each is formed once."""
     k, off = divmod(lo, 16)
-    word = limbs[k] | (limbs[k + 1] << 16)  # 32 bits starting at limb k
-    return (word >> off) & ((1 << n) - 1)
+    if k not in words:
+        words[k] = limbs[k] | (limbs[k + 1] << 16)  # 32 bits starting at limb k
+    return (words[k] >> (off - back)) & ((1 << n) - 1)
 
 
 def _round_up(guard: jax.Array, sticky: jax.Array, kept: jax.Array) -> jax.Array:
@@ -89,16 +95,15 @@ def mul_f32_f64(x: jax.Array, words: jax.Array) -> jax.Array:
     f_hi = (hi & 0xFFFFF) | 0x100000
 
     p = _mul_limbs([ms & 0xFFFF, ms >> 16], [lo & 0xFFFF, lo >> 16, f_hi & 0xFFFF, f_hi >> 16])
-    # The product lies in [2**75, 2**77); shift it so that its top bit is bit 76.
+    # The product lies in [2**75, 2**77); its fields are read one bit lower (``back``) when bit 76 is 0.
     top = (p[4] >> 12) & 1
-    shifted = [((p[k] << 1) | (p[k - 1] >> 15 if k else 0)) & 0xFFFF for k in range(len(p))]
-    p = [jnp.where(top == 1, a, b) for a, b in zip(p, shifted)]
+    back, words = 1 - top, {}
 
     # Bits 76..53 -> t24, 52..24 -> r29 (together the 53-bit double significand), 23 guard, rest sticky.
-    t24 = _bits(p, 53, 16) | (_bits(p, 69, 8) << 16)
-    r29 = _bits(p, 24, 16) | (_bits(p, 40, 13) << 16)
-    guard = _bits(p, 23, 1)
-    sticky = (_bits(p, 0, 16) | _bits(p, 16, 7)) != 0
+    t24 = _field(words, p, 53, 16, back) | (_field(words, p, 69, 8, back) << 16)
+    r29 = _field(words, p, 24, 16, back) | (_field(words, p, 40, 13, back) << 16)
+    guard = _field(words, p, 23, 1, back)
+    sticky = (p[0] | (p[1] & (0x7F >> back))) != 0
     r29 = r29 + _round_up(guard, sticky, r29)  # round to 53 bits
     t24 = t24 + (r29 >> 29)
     r29 = r29 & ((1 << 29) - 1)

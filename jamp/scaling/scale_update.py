@@ -26,8 +26,9 @@ import jax.numpy as jnp
 
 from jamp.scaling import exact_mul
 from jamp.scaling.state import ScalerState
+from jamp_kernels import _leaves
 
-BACKOFF, HOLD, GROW = 0, 1, 2
+_ONE = exact_mul.to_words(1.0)
 _SMALLEST = 1  # the bits of the smallest positive float32, 2**-149
 
 
@@ -41,16 +42,24 @@ def _key(b: jax.Array) -> jax.Array:
 
 
 def next_scale(state: ScalerState, found_inf: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(scale, growth_tracker)`` after an update that saw ``found_inf``."""
+    """``(scale, growth_tracker)`` after an update that saw ``found_inf``.
+
+    One product, ``scale`` times the factor of the outcome (1.0 on HOLD, whose result is ``scale`` itself), then
+    the clamps of the outcome: one multiply in the program instead of one per factor.
+    """
     counted = state.growth_tracker + 1
-    outcome = jnp.where(found_inf, BACKOFF, jnp.where(counted == state.growth_interval, GROW, HOLD))
+    grow = ~found_inf & (counted == state.growth_interval)
+
+    def pick(c, a, b):  # the factors are (high, low) word pairs
+        return jnp.where(c[..., None], a, b)
+
+    factor = pick(found_inf, state.backoff_factor, pick(grow, state.growth_factor, _ONE))
+    product = _bits(exact_mul.mul_f32_f64(state.scale, factor))
     scale, lo, hi = _bits(state.scale), _bits(state.min_scale), _bits(state.max_scale)
-    backed = _bits(exact_mul.mul_f32_f64(state.scale, state.backoff_factor))
-    backed = jnp.where(_key(backed) < _key(lo), lo, backed)
+    backed = jnp.where(_key(product) < _key(lo), lo, product)
     backed = jnp.where(backed == 0, _SMALLEST, backed)  # torch's rule reaches 0, whose inverse makes NaN updates
-    grown = _bits(exact_mul.mul_f32_f64(state.scale, state.growth_factor))
-    finite = (grown & 0x7F800000) != 0x7F800000
-    grown = jnp.where(finite, jnp.where(_key(grown) > _key(hi), hi, grown), scale)
-    new_scale = jax.lax.bitcast_convert_type(jax.lax.select_n(outcome, backed, scale, grown), jnp.float32)
-    zero = jnp.zeros_like(counted)
-    return new_scale, jax.lax.select_n(outcome, zero, counted, zero)
+    finite = (product & 0x7F800000) != 0x7F800000
+    grown = jnp.where(finite, jnp.where(_key(product) > _key(hi), hi, product), scale)
+    new_scale = jnp.where(found_inf, backed, jnp.where(grow, grown, scale))
+    new_scale = _leaves.once(jax.lax.bitcast_convert_type(new_scale, jnp.float32))  # read by several outputs
+    return new_scale, jnp.where(found_inf | grow, 0, counted)

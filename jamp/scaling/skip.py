@@ -26,7 +26,6 @@ computed count feeds is an update, zeroed on a skipped step, or a state leaf, se
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jamp import _jax_compat as jc
+from jamp_kernels import _leaves
 
 
 def _select(skip: jax.Array, old: Any, new: Any) -> jax.Array:
@@ -57,11 +57,13 @@ def _trace(update: Callable, grads: Any, state: Any, params: Any, extra: dict):
     return closed, jax.tree.leaves(args), jax.tree.structure(out_shape), len(jax.tree.leaves(out_shape[0]))
 
 
-def _zero_where(skip: jax.Array, updates: list) -> list:
-    return [jax.lax.select(skip, jnp.full_like(u, -0.0), u) for u in updates]  # p + -0.0 is p, even p = -0.0
+def _zero_where(skip: jax.Array, updates: list, zeros: _leaves.Spread) -> list:
+    return [jax.lax.select(skip, zeros("-0", -0.0, u), u) for u in updates]  # p + -0.0 is p, even p = -0.0
 
 
-def select_where_produced(update: Callable, skip: jax.Array, grads: Any, state: Any, params: Any, extra: dict):
+def select_where_produced(
+    update: Callable, skip: jax.Array, grads: Any, state: Any, params: Any, extra: dict, zeros: _leaves.Spread
+):
     """``update(grads, state, params, **extra)``, or ``(zeros, state)`` bit for bit where ``skip`` is True;
     each state leaf is selected as soon as it is produced (the module docstring says why)."""
     closed, flat_args, out_tree, n_updates = _trace(update, grads, state, params, extra)
@@ -95,11 +97,13 @@ def select_where_produced(update: Callable, skip: jax.Array, grads: Any, state: 
             return selected[v]
         return _select(skip, old, computed[v] if isinstance(v, jc.Var) and v in computed else read(v))
 
-    updates = _zero_where(skip, [jnp.asarray(read(v)) for v in jaxpr.outvars[:n_updates]])
+    updates = _zero_where(skip, [jnp.asarray(read(v)) for v in jaxpr.outvars[:n_updates]], zeros)
     return jax.tree.unflatten(out_tree, updates + [new_leaf(v, old) for v, old in zip(state_vars, olds)])
 
 
-def select_after(update: Callable, skip: jax.Array, grads: Any, state: Any, params: Any, extra: dict):
+def select_after(
+    update: Callable, skip: jax.Array, grads: Any, state: Any, params: Any, extra: dict, zeros: _leaves.Spread
+):
     """The same result as :func:`select_where_produced`: run ``update``, then select every state leaf and
     zero the updates. XLA:GPU fuses each select into the kernel that produces the leaf."""
     updates, new_state = update(grads, state, params, **extra)
@@ -107,7 +111,7 @@ def select_after(update: Callable, skip: jax.Array, grads: Any, state: Any, para
         raise TypeError("jamp.scaler: the wrapped transformation returned a state of another structure")
     flat, tree = jax.tree.flatten(updates)
     selected = jax.tree.map(lambda old, new: _select(skip, old, new), state, new_state)
-    return jax.tree.unflatten(tree, _zero_where(skip, [jnp.asarray(u) for u in flat])), selected
+    return jax.tree.unflatten(tree, _zero_where(skip, [jnp.asarray(u) for u in flat], zeros)), selected
 
 
 # Which form each platform runs (benchmarks/scaler_overhead.py measures both): on XLA:CPU a select after
@@ -115,11 +119,15 @@ def select_after(update: Callable, skip: jax.Array, grads: Any, state: Any, para
 FORM_OF_PLATFORM = {"cuda": select_after, "default": select_where_produced}
 
 
-def step_or_skip(update: Callable, skip: jax.Array, grads: Any, state: Any, params: Any, extra: dict):
+def step_or_skip(
+    update: Callable, skip: jax.Array, grads: Any, state: Any, params: Any, extra: dict, zeros: _leaves.Spread
+):
     """``update(grads, state, params, **extra)``, or ``(zeros, state)`` bit for bit where ``skip`` is True,
-    in the form :data:`FORM_OF_PLATFORM` picks for the platform the program is lowered for."""
-    branches = {
-        platform: functools.partial(form, update, skip, grads, state, params, extra)
-        for platform, form in FORM_OF_PLATFORM.items()
-    }
+    in the form :data:`FORM_OF_PLATFORM` picks for the platform the program is lowered for. ``zeros`` holds
+    the -0.0 arrays the caller already made (one per shape and dtype)."""
+
+    def branch(form):
+        return lambda: form(update, skip, grads, state, params, extra, zeros.fork())
+
+    branches = {platform: branch(form) for platform, form in FORM_OF_PLATFORM.items()}
     return jax.lax.platform_dependent(**branches)

@@ -23,6 +23,7 @@ from jamp.scaling import nesting, scale_update, skip, skip_episodes, skip_report
 from jamp.scaling import state as scaler_state
 from jamp.scaling.state import DisabledScalerState, ScalerState
 from jamp.scaling.transformation import ScalerTransformation
+from jamp_kernels import _leaves
 
 _BACKENDS = ("auto", "xla", "pallas", "interpret")
 
@@ -249,8 +250,11 @@ def scaler(
         # the unscale into inner's loops; zeroing a skipped step's grads means the computation that is
         # discarded never sees inf/NaN (an SVD of an inf matrix may never return).
         unscaled = jamp_kernels.unscale(grads, jamp_kernels.inverse(state.scale))
-        finite = jax.tree.map(lambda g: jnp.where(found_inf, jnp.zeros_like(g), g), unscaled)
-        updates, inner_state = skip.step_or_skip(inner_tx.update, found_inf, finite, state.inner_state, params, extra)
+        zeros = _leaves.Spread()  # -0.0 once per shape, shared with the zeroed updates of a skipped step
+        finite = jax.tree.map(lambda g: jax.lax.select(found_inf, zeros("-0", -0.0, g), g), unscaled)
+        updates, inner_state = skip.step_or_skip(
+            inner_tx.update, found_inf, finite, state.inner_state, params, extra, zeros
+        )
         scale, tracker = scale_update.next_scale(state, found_inf)
         episode = skip_episodes.track(limits, state, found_inf, scale)
         return updates, state._replace(

@@ -11,6 +11,7 @@ import pytest
 
 import jamp
 from jamp.scaling import skip
+from jamp_kernels._leaves import Spread
 
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.arange(4.0)}
 GRADS = {"w": jnp.cos(jnp.arange(12.0)).reshape(3, 4), "b": jnp.ones(4)}
@@ -125,9 +126,9 @@ def test_moments_are_read_selected_and_the_step_count_as_computed():
     for the finite check (jamp/scaling/skip.py says what that wait cost on XLA:CPU)."""
     adam = optax.adam(1e-2)
     state = adam.init(PARAMS)
-    closed = jax.make_jaxpr(lambda found_inf, g, s, p: skip.select_where_produced(adam.update, found_inf, g, s, p, {}))(
-        True, GRADS, state, PARAMS
-    )
+    closed = jax.make_jaxpr(
+        lambda found_inf, g, s, p: skip.select_where_produced(adam.update, found_inf, g, s, p, {}, Spread())
+    )(True, GRADS, state, PARAMS)
     jaxpr = closed.jaxpr
     count = jaxpr.invars[1 + len(GRADS)]  # found_inf, the grads, then the state: Adam's count first
     assert count.aval.shape == () and jnp.issubdtype(count.aval.dtype, jnp.integer)
