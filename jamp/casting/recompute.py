@@ -23,6 +23,7 @@ import functools
 import heapq
 
 import jax
+import numpy as np
 
 from jamp import _jax_compat as jc
 from jamp.casting.call import literal_value
@@ -126,20 +127,61 @@ class _Group:
 
     def __init__(self, eqns: list, ins: list, outs: list):
         self.eqns, self.ins, self.outs = eqns, ins, outs
+        self.scopes = jc.common_scopes(eqns)  # name scopes all of them share: the call enters them
+
+    def key(self) -> tuple | None:
+        """What makes two groups the same computation (their structure, parameters and input types), or None."""
+        index = {v: i for i, v in enumerate(self.ins)}
+        items = []
+        for e in self.eqns:
+            refs = tuple(index[v] if isinstance(v, jc.Var) else _literal_key(v.val) for v in e.invars)
+            index.update((v, len(index)) for v in e.outvars)
+            scopes = e.source_info.name_stack.stack[self.scopes :]
+            items.append((e.primitive, tuple(sorted(e.params.items())), refs, scopes))
+        key = (tuple(v.aval for v in self.ins), tuple(items), tuple(index[v] for v in self.outs))
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
 
     def __call__(self, *args) -> list:
         env = dict(zip(self.ins, args))
         for eqn in self.eqns:
-            env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
+            env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars], self.scopes)))
         return [_read(env, v) for v in self.outs]
+
+
+def _literal_key(value) -> tuple:
+    array = np.asarray(value)
+    return (type(value), array.dtype, array.tobytes())
+
+
+@functools.lru_cache(maxsize=4096)
+def _first(key: tuple) -> list:
+    """Holds the first group seen with ``key``."""
+    return []
+
+
+def _shared(group: _Group) -> _Group:
+    """The first group of the same structure: the same function, so ``jax.checkpoint`` traces it once and
+    JAX differentiates it once for every layer that repeats it."""
+    key = group.key()
+    if key is None:
+        return group
+    first = _first(key)
+    if not first:
+        first.append(group)
+    return first[0]
 
 
 def _read(env: dict, v):
     return literal_value(v) if isinstance(v, jc.Literal) else env[v]
 
 
-def _bind(eqn, invals: list) -> list:
-    with jc.user_context(eqn), eqn.ctx.manager:
+def _bind(eqn, invals: list, scopes: int = 0) -> list:
+    """``eqn`` bound on ``invals``, inside its name scopes after the first ``scopes`` (entered by its call)."""
+    with jc.scoped_context(eqn, scopes), eqn.ctx.manager:
         outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
     return outs if eqn.primitive.multiple_results else [outs]
 
@@ -234,7 +276,9 @@ def with_recompute(closed: jc.ClosedJaxpr) -> jc.ClosedJaxpr:
                 env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
             else:
                 group = groups[k]
-                env.update(zip(group.outs, _checkpoint(group)(*[_read(env, v) for v in group.ins])))
+                with jc.scoped_context(group.eqns[0], 0, group.scopes):
+                    outs = _checkpoint(_shared(group))(*[_read(env, v) for v in group.ins])
+                env.update(zip(group.outs, outs))
         return [_read(env, v) for v in jaxpr.outvars]
 
     return jax.make_jaxpr(run)(*closed.in_avals)
