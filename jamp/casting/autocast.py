@@ -126,7 +126,8 @@ def autocast(
         recompute: whether the backward pass recomputes the values of elementwise ops and reductions between
             matmuls (norms, softmax, activations) from their inputs, and casts float32 parameters again,
             instead of keeping them (:mod:`jamp.casting.recompute`). The forward pass is unchanged; False
-            keeps every value, as JAX does by default.
+            keeps every value, as JAX does by default. It holds for the whole function: a nested autocast
+            region follows the outer one.
 
     Returns:
         The transformed function (same signature as ``fun``), or an :class:`AutocastSpec` when ``fun`` is
