@@ -162,3 +162,55 @@ def test_effects_keep_the_program_as_rewritten():
     assert recompute.with_recompute(closed) is closed
     g = jax.grad(_autocast(f))(jnp.ones(3))
     np.testing.assert_allclose(g, jax.grad(f)(jnp.ones(3)), rtol=1e-2)
+
+
+def _flax_scans():
+    """(loss, params) of the blocks under flax linen's nn.scan and under nnx.scan."""
+    flax_linen = pytest.importorskip("flax.linen")
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Block(flax_linen.Module):
+        @flax_linen.compact
+        def __call__(self, x, _):
+            h = flax_linen.gelu(flax_linen.Dense(D_MLP, use_bias=False)(flax_linen.RMSNorm()(x)))
+            return x + flax_linen.Dense(D, use_bias=False)(h), None
+
+    class Stack(flax_linen.Module):
+        @flax_linen.compact
+        def __call__(self, x):
+            scanned = flax_linen.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS)
+            return scanned()(x, None)[0]
+
+    x = jax.random.normal(jax.random.key(1), (TOKENS, D))
+    model = Stack()
+    linen = (lambda p, x: jnp.mean(model.apply(p, x) ** 2), model.init(jax.random.key(0), x))
+
+    class NBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.RMSNorm(D, rngs=rngs)
+            self.w1 = nnx.Linear(D, D_MLP, use_bias=False, rngs=rngs)
+            self.w2 = nnx.Linear(D_MLP, D, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.w2(nnx.gelu(self.w1(self.norm(x))))
+
+    blocks = nnx.vmap(lambda key: NBlock(nnx.Rngs(key)))(jax.random.split(jax.random.key(0), LAYERS))
+    graphdef, state = nnx.split(blocks)
+
+    def nnx_loss(state, x):
+        scanned = nnx.scan(lambda b, x: b(x), in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        return jnp.mean(scanned(nnx.merge(graphdef, state), x) ** 2)
+
+    return {"nn.scan": linen, "nnx.scan": (nnx_loss, state)}, x
+
+
+def test_flax_scans_keep_no_low_precision_copy_of_stacked_parameters():
+    scans, x = _flax_scans()
+    for name, (loss, params) in scans.items():
+        shapes = {a.shape for a in jax.tree.leaves(params) if a.ndim == 3}
+        assert shapes, name
+        saved = _residuals(_autocast(loss), (params, x))
+        kept = _residuals(_autocast(loss, recompute=False), (params, x))
+        assert not [a for a in saved if a.shape in shapes and a.dtype == jnp.bfloat16], name
+        assert [a for a in kept if a.shape in shapes and a.dtype == jnp.bfloat16], name
+        assert _nbytes(saved) <= 0.5 * _nbytes(kept), name
