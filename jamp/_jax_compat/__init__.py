@@ -24,6 +24,7 @@ from jax.extend import core as jcore
 from jax.extend import linear_util as lu
 
 from jamp._jax_compat.loops import *  # noqa: F403 (scan, while and shard_map parameters, re-exported)
+from jamp._jax_compat.scopes import common_scopes, scoped_context  # noqa: F401 (re-exported)
 
 try:  # jax >= 0.11: FlatTree moved to its own module, with a module-level flatten
     from jax._src.flattree import flatten as _flat_tree
@@ -74,24 +75,6 @@ def user_context(eqn):
     return source_info_util.user_context(
         eqn.source_info.traceback,
         name_stack=source_info_util.current_name_stack() + eqn.source_info.name_stack,
-    )
-
-
-def common_scopes(eqns) -> int:
-    """How many name-stack entries (scopes, transformations) all of ``eqns`` share from the outermost."""
-    stacks = [e.source_info.name_stack.stack for e in eqns]
-    n = 0
-    while all(len(s) > n for s in stacks) and len({s[n] for s in stacks}) == 1:
-        n += 1
-    return n
-
-
-def scoped_context(eqn, start: int = 0, stop: int | None = None):
-    """``user_context`` with ``eqn``'s name-stack entries ``start:stop`` only (a call holding equations of
-    one scope enters the shared part, each equation inside its own rest)."""
-    stack = source_info_util.NameStack(eqn.source_info.name_stack.stack[start:stop])
-    return source_info_util.user_context(
-        eqn.source_info.traceback, name_stack=source_info_util.current_name_stack() + stack
     )
 
 
