@@ -257,10 +257,19 @@ def with_recompute(closed: jc.ClosedJaxpr) -> jc.ClosedJaxpr:
     owner = {i: ("group", g) for g, group in enumerate(members) for i in group}
     node_of = [owner.get(i, ("eqn", i)) for i in range(len(jaxpr.eqns))]
     readers: dict = {}
+    read_by: dict = {}  # variable -> the primitives that read it
     for i, e in enumerate(jaxpr.eqns):
         for v in e.invars:
             if isinstance(v, jc.Var):
                 readers.setdefault(v, set()).add(node_of[i])
+                read_by.setdefault(v, set()).add(e.primitive.name)
+    final = {v for v in jaxpr.outvars if isinstance(v, jc.Var)}
+    # a cast that only matmuls read: each of them casts again in its own group
+    unread = {
+        ("eqn", i)
+        for i, e in enumerate(jaxpr.eqns)
+        if e.outvars[0] in casts and e.outvars[0] not in final and read_by.get(e.outvars[0], set()) <= set(_MATMULS)
+    }
     groups = [_group(jaxpr, m, casts, readers, ("group", g)) for g, m in enumerate(members)]
     nodes = list(dict.fromkeys(node_of))
     reads = {nd: groups[nd[1]].ins if nd[0] == "group" else jaxpr.eqns[nd[1]].invars for nd in nodes}
@@ -271,6 +280,8 @@ def with_recompute(closed: jc.ClosedJaxpr) -> jc.ClosedJaxpr:
         env = dict(zip(jaxpr.constvars, closed.consts))
         env.update(zip(jaxpr.invars, args))
         for kind, k in order:
+            if (kind, k) in unread:
+                continue
             if kind == "eqn":
                 eqn = jaxpr.eqns[k]
                 env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
