@@ -268,7 +268,9 @@ def with_recompute(closed: jc.ClosedJaxpr) -> jc.ClosedJaxpr:
     unread = {
         ("eqn", i)
         for i, e in enumerate(jaxpr.eqns)
-        if e.outvars[0] in casts and e.outvars[0] not in final and read_by.get(e.outvars[0], set()) <= set(_MATMULS)
+        if casts.get(e.outvars[0] if e.outvars else None) is e
+        and e.outvars[0] not in final
+        and read_by.get(e.outvars[0], set()) <= set(_MATMULS)
     }
     groups = [_group(jaxpr, m, casts, readers, ("group", g)) for g, m in enumerate(members)]
     nodes = list(dict.fromkeys(node_of))
