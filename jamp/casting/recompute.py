@@ -75,7 +75,12 @@ def _is_cheap(eqn) -> bool:
 
 def _is_nonlinear(eqn) -> bool:
     body = _body(eqn)
-    return eqn.primitive.name not in _LINEAR if body is None else any(_is_nonlinear(e) for e in body.eqns)
+    if body is not None:
+        return any(_is_nonlinear(e) for e in body.eqns)
+    name, literal = eqn.primitive.name, [isinstance(v, jc.Literal) for v in eqn.invars]
+    if (name == "mul" and any(literal)) or (name == "div" and literal[1]):  # scaling by a constant (a mean)
+        return False
+    return name not in _LINEAR
 
 
 def _cast_of_input(eqn, inputs: set) -> bool:
