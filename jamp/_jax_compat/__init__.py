@@ -24,6 +24,7 @@ from jax.extend import core as jcore
 from jax.extend import linear_util as lu
 
 from jamp._jax_compat.loops import *  # noqa: F403 (scan, while and shard_map parameters, re-exported)
+from jamp._jax_compat.scopes import common_scopes, scoped_context  # noqa: F401 (re-exported)
 
 try:  # jax >= 0.11: FlatTree moved to its own module, with a module-level flatten
     from jax._src.flattree import flatten as _flat_tree

@@ -38,8 +38,8 @@ class AutocastSpec:
 
     def __init__(self, options: dict):
         self._options = options
-        self._dtype, self._device_type, self._enabled, _, self._policy_arg = checked_options(
-            options["dtype"], options["device_type"], options["enabled"], options["cache_enabled"], options["policy"]
+        self._dtype, self._device_type, self._enabled, _, self._policy_arg, _ = checked_options(
+            *(options[k] for k in ("dtype", "device_type", "enabled", "cache_enabled", "policy", "recompute"))
         )
         self._scopes = threading.local()
 
@@ -95,6 +95,7 @@ def autocast(
     policy: Policy | str | None = None,
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
+    recompute: bool = True,
 ) -> Autocast | AutocastSpec:
     """Run ``fun`` with automatic mixed precision (torch's ``autocast``, as a function transformation).
 
@@ -122,6 +123,11 @@ def autocast(
         policy: a :class:`jamp.Policy` or policy string ("fp8", ...) replacing the built-in op lists.
         static_argnums: positional arguments that are static (part of the cache key), as in ``jax.jit``.
         static_argnames: keyword arguments that are static.
+        recompute: whether the backward pass recomputes the values of elementwise ops and reductions between
+            matmuls (norms, softmax, activations) from their inputs, and casts float32 parameters again,
+            instead of keeping them (:mod:`jamp.casting.recompute`). The forward pass is unchanged; False
+            keeps every value, as JAX does by default. It holds for the whole function: a nested autocast
+            region follows the outer one.
 
     Returns:
         The transformed function (same signature as ``fun``), or an :class:`AutocastSpec` when ``fun`` is
@@ -141,6 +147,7 @@ def autocast(
         "policy": policy,
         "static_argnums": static_argnums,
         "static_argnames": static_argnames,
+        "recompute": recompute,
     }
     if fun is None:
         return AutocastSpec(options)

@@ -28,6 +28,7 @@ class Context:
     mode: Mode
     path: tuple[str, ...] = ()
     cache_enabled: bool = True
+    recompute: bool = False  # the rewritten bodies recompute in the backward pass (jamp.casting.recompute)
     # An observer (jamp.explain's Recorder, jamp.find_overflow's comparison; jamp.casting.observation): part of the
     # key, so an observed trace never hits a cache
     recorder: Any = None

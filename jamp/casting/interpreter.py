@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jamp import _jax_compat as jc
-from jamp.casting import portable_dots, regions
+from jamp.casting import portable_dots, recompute, regions
 from jamp.casting.call import MATMUL_LIKE, Call, Context, Env, cast_outputs
 from jamp.casting.observation import Frame
 from jamp.casting.policy import Mode, Policy
@@ -65,7 +65,9 @@ def trace_jaxpr(closed: jc.ClosedJaxpr, in_avals: tuple, ctx: Context, out_dtype
     def run(*args):
         return cast_outputs(evaluate(closed.jaxpr, closed.consts, args, ctx), out_dtypes)
 
-    return jax.make_jaxpr(run)(*in_avals)
+    closed = jax.make_jaxpr(run)(*in_avals)
+    # what the backward pass recomputes (jamp.casting.recompute); an observer sees the program as rewritten
+    return recompute.with_recompute(closed) if ctx.recompute and ctx.recorder is None else closed
 
 
 _cached = jc.weakref_lru_cache(trace_jaxpr)

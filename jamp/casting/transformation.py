@@ -57,8 +57,8 @@ def _check_device_type(device_type: str | None) -> str | None:
     return device_type
 
 
-def checked_options(dtype, device_type, enabled, cache_enabled, policy) -> tuple:
-    """Validated (dtype, device_type, enabled, cache_enabled, policy) of an autocast."""
+def checked_options(dtype, device_type, enabled, cache_enabled, policy, recompute=True) -> tuple:
+    """Validated (dtype, device_type, enabled, cache_enabled, policy, recompute) of an autocast."""
     if policy is not None and not isinstance(policy, (Policy, str)):
         raise TypeError(f"policy must be a jamp.Policy or a policy string, got {type(policy).__name__}")
     if isinstance(policy, str):  # validate now; resolving the device waits for the first call
@@ -69,6 +69,7 @@ def checked_options(dtype, device_type, enabled, cache_enabled, policy) -> tuple
         checked_bool("enabled", enabled),
         checked_bool("cache_enabled", cache_enabled),
         policy,
+        checked_bool("recompute", recompute),
     )
 
 
@@ -99,12 +100,21 @@ class Autocast:
     """
 
     def __init__(
-        self, fun: Callable, *, dtype, device_type, enabled, cache_enabled, policy, static_argnums, static_argnames
+        self,
+        fun: Callable,
+        *,
+        dtype,
+        device_type,
+        enabled,
+        cache_enabled,
+        policy,
+        static_argnums,
+        static_argnames,
+        recompute=True,
     ):
         self.fun = fun
-        self._dtype, self._device_type, self.enabled, self.cache_enabled, self._policy_arg = checked_options(
-            dtype, device_type, enabled, cache_enabled, policy
-        )
+        options = checked_options(dtype, device_type, enabled, cache_enabled, policy, recompute)
+        self._dtype, self._device_type, self.enabled, self.cache_enabled, self._policy_arg, self.recompute = options
         self.static_argnums = signature.static_argnums(static_argnums)
         self.static_argnames = signature.static_argnames(static_argnames)
         self._names = signature.ArgumentNames(fun)
@@ -217,5 +227,5 @@ class Autocast:
             policy.output_dtype if i < n_own and policy.output_dtype is not None and is_eligible(a.dtype) else a.dtype
             for i, a in enumerate(closed.out_avals)
         )
-        ctx = Context(policy, Mode.AUTOCAST, (), self.cache_enabled, recorder)
+        ctx = Context(policy, Mode.AUTOCAST, (), self.cache_enabled, recompute=self.recompute, recorder=recorder)
         return _Entry(trace_jaxpr(closed, tuple(closed.in_avals), ctx, out_dtypes), out_tree)

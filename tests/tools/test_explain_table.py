@@ -7,6 +7,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import eqns
 
 import jamp
 from jamp.tools.sources import fitted_source
@@ -26,8 +27,8 @@ def test_a_low_precision_sum_shows_that_it_accumulates_in_float32():
     report = jamp.explain(f, device_type="cpu")(W, X)
     (row,) = _rows(report, "reduce_sum")
     assert row.ran_dtypes == ("bfloat16",) and row.out_dtypes == ("bfloat16",) and row.accumulated_in == "float32"
-    program = jax.make_jaxpr(jamp.autocast(f, device_type="cpu"))(W, X).jaxpr
-    (sum_eqn,) = [e for e in program.eqns if e.primitive.name == "reduce_sum"]
+    program = jax.make_jaxpr(jamp.autocast(f, device_type="cpu"))(W, X)
+    (sum_eqn,) = [e for e in eqns(program) if e.primitive.name == "reduce_sum"]  # inner jaxprs too (recompute)
     assert sum_eqn.invars[0].aval.dtype == jnp.float32  # what the record claims is what runs
     assert "reduce_sum    bfloat16 (accumulates in float32)" in report.to_text(full=True)
     assert "bf16 (acc f32) 1" in str(report)

@@ -65,6 +65,7 @@ class EquinoxAutocast(ModuleAutocast):
             ("policy", self._policy_arg),
             ("static_argnums", self.static_argnums),
             ("static_argnames", tuple(sorted(self.static_argnames))),
+            ("recompute", self.recompute),
         )
         with _SHARED_LOCK:
             self._cache, self._cache_lock, self._traces = _SHARED.setdefault(
