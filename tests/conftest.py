@@ -4,11 +4,10 @@ import sys
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# On a CPU the suite compiles thousands of tiny programs; LLVM's optimisation passes are a third of
-# that time and change no IEEE result (XLA's HLO passes, which decide dtypes and fusions, still run).
-if os.environ["JAX_PLATFORMS"] == "cpu" and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compile_flags  # beside this file, on the path just set
+
+compile_flags.set_flags(os.environ)  # fast XLA:CPU compiles (compile_flags.py says which, and why)
 
 
 @pytest.fixture

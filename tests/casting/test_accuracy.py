@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compile_flags import as_users
 from helpers import eqns
 from jax.extend import core as jcore
 
@@ -37,9 +38,9 @@ FACTOR = 2.0
 # A floor for errors that are tiny by luck (a handful of outputs whose rounding errors cancel): one
 # sixteenth of the low dtype's unit roundoff.
 FLOOR = {"bfloat16": 2.0**-8 / 16, "float16": 2.0**-11 / 16}
-# compile mode -> XLA compiler options: the defaults users run, and without excess precision (which hides
-# inconsistent roundings)
-XLA_OPTIONS = {"default": {}, "strict": {"xla_allow_excess_precision": False}}
+# compile mode -> XLA compiler options: the defaults users run (as_users undoes the suite's faster emitters,
+# tests/compile_flags.py), and without excess precision (which hides inconsistent roundings)
+XLA_OPTIONS = {"default": as_users(), "strict": {**as_users(), "xla_allow_excess_precision": False}}
 # The modes the accuracy tests run in; CI's newer-JAX legs set JAMP_ACCURACY_MODES=default (jamp places the
 # roundings itself, the same on every JAX; those legs check the programs each JAX makes under its defaults).
 COMPILE_MODES = tuple(os.environ.get("JAMP_ACCURACY_MODES", ",".join(XLA_OPTIONS)).split(","))

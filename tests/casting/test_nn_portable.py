@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compile_flags import as_users
 from flax import nnx
 
 import jamp
@@ -101,7 +102,7 @@ def test_entry_point_runs_on_cpu_and_keeps_the_algorithm_for_cuda_and_tpu(entry,
     if options:
         loss = jamp.autocast(loss, **options)
     step = jax.jit(jax.value_and_grad(loss)).trace(x)  # forward and backward in one program
-    value, grad = step.lower().compile()(x)
+    value, grad = step.lower().compile(as_users())(x)
     assert np.isfinite(value) and np.all(np.isfinite(grad)) and grad.dtype == x.dtype
     # the attention computed the right numbers: its float32 loss, within the compute dtype's rounding
     np.testing.assert_allclose(value, _float32_loss(entry), rtol=0.05)
@@ -145,7 +146,7 @@ def test_user_code_under_autocast_that_names_a_refused_algorithm(dot, policy):
     with pytest.raises(ValueError, match="not supported by dot_general on CPU"):
         jax.jit(loss)(a, b)
     step = jax.jit(jax.value_and_grad(jamp.autocast(loss, **POLICIES[policy][0]), argnums=(0, 1))).trace(a, b)
-    value, grads = step.lower().compile()(a, b)
+    value, grads = step.lower().compile(as_users())(a, b)
     np.testing.assert_allclose(value, jnp.sum((a @ b) ** 2), rtol=0.02)  # each ragged group multiplies by b
     assert all(np.all(np.isfinite(g)) for g in grads)
     if dot != "ragged":

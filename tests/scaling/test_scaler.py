@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from compile_flags import as_users
 from helpers import run_subprocess
 
 import jamp
@@ -310,7 +311,7 @@ def _compiled_step(update, params, state):
         u, s = update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    hlo = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile().as_text()
+    hlo = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile(as_users()).as_text()
     return hlo, len(re.findall(r"= f32\[64,32\]\{1,0\} fusion\(", hlo))
 
 
