@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import dtypes_of, run_subprocess
+from helpers import dtypes_of
 
 import jamp
 
@@ -110,38 +110,6 @@ def test_transforms_of_an_autocast_function_retrace_nothing():
         transform(g)(W, X)
     jax.vmap(g, (None, 0))(W, jnp.stack([X, X]))  # per-example shape equals X's
     assert len(calls) == 1
-
-
-def test_pmap_and_shard_map_inside_and_outside():
-    out = run_subprocess(
-        """
-        import jax, jax.numpy as jnp, numpy as np, jamp
-        from jax.sharding import PartitionSpec as P, NamedSharding
-        from helpers import dtypes_of
-        base = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)
-        w = jnp.ones((8, 8)) / 8; xs = jnp.ones((8, 4, 8))
-        pm = lambda f: jax.pmap(lambda w, x: jax.lax.psum(f(w, x), "i"), axis_name="i", in_axes=(None, 0))
-        mesh = jax.make_mesh((8,), ("d",))
-        sm = lambda f: jax.shard_map(lambda w, x: jax.lax.psum(f(w, x), "d"), mesh=mesh,
-                                     in_specs=(P(), P("d")), out_specs=P())
-        x = jax.device_put(jnp.ones((32, 8)), NamedSharding(mesh, P("d")))
-        def check(name, t, arg):
-            ref = t(base)(w, arg)
-            for order, fun in (("inside", jamp.autocast(t(base), dtype="bf16")),
-                               ("outside", t(jamp.autocast(base, dtype="bf16")))):
-                ok = np.allclose(fun(w, arg), ref, rtol=0.05)
-                low = all(d == ("bfloat16",) * 3 for d in dtypes_of(fun, w, arg))
-                g = jax.grad(lambda w: jnp.sum(fun(w, arg)))(w)
-                print(name, order, ok, low, g.dtype)
-
-        check("pmap", pm, xs)
-        with jax.set_mesh(mesh):
-            check("shard_map", sm, x)
-    """,
-        env={"PYTHONPATH": "tests"},
-    )
-    lines = out.strip().splitlines()
-    assert len(lines) == 4 and all(line.endswith("True True float32") for line in lines), lines
 
 
 def test_shard_map_body_with_literal_outputs():

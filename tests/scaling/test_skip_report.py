@@ -4,6 +4,7 @@ them when it next flattens the state (jamp.scaling.skip_report), or at once with
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import subprocess
 import sys
@@ -36,8 +37,9 @@ amp_loss = jamp.autocast(loss_fn, device_type="gpu")  # float16 matmuls
 
 @pytest.fixture
 def every_look_reads(monkeypatch):
-    """The host reads at every look (no read budget), so that when a warning comes is deterministic."""
-    monkeypatch.setattr(skip_report, "READ_BUDGET", 1.0)
+    """The host reads at every look (no read budget: no wait after any read, a slow one or another thread's), so
+    that when a warning comes is deterministic."""
+    monkeypatch.setattr(skip_report, "READ_BUDGET", math.inf)
     monkeypatch.setattr(skip_report, "_next_read", 0.0)
     skip_report._PENDING.clear()  # states other tests left for a later look
 
