@@ -16,7 +16,8 @@ from jamp.casting.policy import Policy, get_policy
 from jamp.low_precision_params.kahan import KahanSummationState, kahan_summation
 from jamp.low_precision_params.stochastic import StochasticRoundingState, stochastic_rounding
 from jamp.scaling.checkpoint import load_state_dict, state_dict
-from jamp.scaling.helpers import found_inf, get_scale, scale, set_scale, unscale, value_and_grad
+from jamp.scaling.helpers import found_inf, get_scale, scale, scaler_summary, set_scale, unscale, value_and_grad
+from jamp.scaling.lint import check_step
 from jamp.scaling.restore import from_restored
 from jamp.scaling.skip_report import SkippedStepsWarning, report_skipped_steps
 from jamp.scaling.state import DisabledScalerState, ScalerState
@@ -40,6 +41,7 @@ __all__ = [
     "ScalerTransformation",
     "SkippedStepsWarning",
     "UnscaledGradientsWarning",
+    "check_step",
     "found_inf",
     "from_restored",
     "get_scale",
@@ -47,6 +49,7 @@ __all__ = [
     "load_state_dict",
     "scale",
     "scaler",
+    "scaler_summary",
     "set_scale",
     "state_dict",
     "unscale",

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 import jamp_kernels
-from jamp.scaling import nesting
+from jamp.scaling import skip_report
 from jamp.scaling import state as scaler_state
 from jamp.scaling.state import DisabledScalerState
 
@@ -43,8 +43,7 @@ def scale(loss_or_tree: Any, opt_state: Any) -> Any:
     torch's ``scaler.scale(loss)``: call it inside the function you differentiate, so that the gradients
     ``tx.update`` gets are scaled. A 0-dim loss promotes to float32 (a float16 or bfloat16 loss too, so the
     scaled loss never lives in half precision); a floating array with dimensions keeps its dtype, computed
-    in float32 and rounded once, as torch does. Warns when the scaler sits inside ``optax.MultiSteps`` on an
-    optax whose accumulator an overflow poisons (:mod:`jamp.scaling.nesting`).
+    in float32 and rounded once, as torch does.
 
     Args:
         loss_or_tree: the loss, or a pytree of outputs (arrays or Python numbers).
@@ -69,9 +68,7 @@ def scale(loss_or_tree: Any, opt_state: Any) -> Any:
         >>> grads = jax.grad(lambda p: jamp.scale(loss_fn(p), opt_state))(params)
     """
     scaler_state.refuse_swapped(opt_state, loss_or_tree, "jamp.scale(opt_state, loss)", "jamp.scale(loss, opt_state)")
-    scaled = _scaled(loss_or_tree, opt_state)
-    nesting.check_multisteps(opt_state, stacklevel=2)
-    return scaled
+    return _scaled(loss_or_tree, opt_state)
 
 
 def unscale(grads: Any, opt_state: Any) -> Any:
@@ -128,7 +125,9 @@ def get_scale(opt_state: Any) -> jax.Array:
     """The current scale as a float32 array (1.0 when disabled): torch's ``scaler.get_scale()``.
 
     ``float(...)`` it for torch's Python float (outside ``jax.jit``). Also unwraps the variables of an
-    ``nnx.Optimizer``'s state.
+    ``nnx.Optimizer``'s state. On a concrete state (outside ``jax.jit``: the read a training loop logs) it
+    also reads whether a skip episode is under way and warns :class:`jamp.SkippedStepsWarning` if so; inside
+    ``jax.jit`` it reads nothing.
 
     Args:
         opt_state: the optimizer state that holds the ``jamp.scaler`` state, anywhere inside it.
@@ -150,7 +149,44 @@ def get_scale(opt_state: Any) -> jax.Array:
         65536.0
     """
     st = scaler_state.find(opt_state)
-    return jnp.ones((), jnp.float32) if isinstance(st, DisabledScalerState) else jnp.asarray(st.scale)
+    if isinstance(st, DisabledScalerState):
+        return jnp.ones((), jnp.float32)
+    skip_report.warn_if_in_episode(opt_state, st, stacklevel=2)
+    return jnp.asarray(st.scale)
+
+
+def scaler_summary(opt_state: Any) -> dict[str, Any]:
+    """What a logger records of the scaler, as Python numbers; warns while a skip episode is under way.
+
+    An explicit read (it waits for the device): ``scale``, ``found_inf`` (the last update was skipped),
+    ``skipped_steps`` (updates skipped in a row now), ``skip_episodes`` (runs of skips that reached
+    ``warn_after_skips`` or took the scale below ``warn_below_scale``, so far) and ``in_episode``. Warns
+    :class:`jamp.SkippedStepsWarning`, naming where in ``opt_state`` the scaler sits, while an episode is
+    under way. A replicated state (``jax.pmap``, ``vmap``) gives a list per key, one value per replica.
+
+    Args:
+        opt_state: the optimizer state that holds the ``jamp.scaler`` state, anywhere inside it (concrete
+            arrays or their NumPy host copies, not inside ``jax.jit``).
+
+    Returns:
+        A dict with the keys above; a disabled scaler's is ``{"scale": 1.0, "found_inf": False,
+        "skipped_steps": 0, "skip_episodes": 0, "in_episode": False}``.
+
+    Raises:
+        ValueError: when ``opt_state`` holds no scaler state, or more than one.
+        TypeError: inside ``jax.jit``.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax, jamp
+        >>> params = {"w": jnp.ones(3)}
+        >>> tx = jamp.scaler(optax.sgd(0.1))
+        >>> opt_state = tx.init(params)
+        >>> _, opt_state = tx.update({"w": jnp.full(3, jnp.inf)}, opt_state, params)
+        >>> summary = jamp.scaler_summary(opt_state)
+        >>> summary["scale"], summary["found_inf"], summary["skipped_steps"]
+        (32768.0, True, 1)
+    """
+    return skip_report.summary(opt_state, stacklevel=2)
 
 
 def found_inf(opt_state: Any) -> jax.Array:
@@ -270,8 +306,6 @@ def value_and_grad(
                 f"{type(opt_state).__name__} that holds none. Call it as jamp.value_and_grad(loss_fn)(opt_state, "
                 "params, batch), where loss_fn(params, batch) returns the loss"
             )
-
-        nesting.check_multisteps(opt_state, stacklevel=2)
 
         def scaled(*a: Any, **k: Any):
             out = fun(*a, **k)

@@ -1,9 +1,12 @@
-"""Two nestings of ``jamp.scaler`` in optax that train wrong without an error, and the warnings that name them.
+"""Two nestings of ``jamp.scaler`` in optax that train wrong without an error, and what :func:`jamp.check_step`
+says of them (the lint reads optax's frames and runs optax: nothing here runs in a default path).
 
 * ``optax.chain(optax.clip_by_global_norm(1.0), jamp.scaler(opt))``: what is chained *before* the scaler sees
   the scaled gradients (the clip bounds 65536 times the true norm, so every step is clipped to almost
   nothing; weight decay is divided by the scale; ``zero_nans`` hides the overflow the scaler skips on), and
-  what is chained *after* it with a state (Adam, a schedule's count) advances on the steps the scaler skips.
+  what is chained *after* it with a state (Adam, a schedule's count) advances on the steps the scaler skips, and
+  a stateless one that does not map a zero update to zero (``add_decayed_weights``) moves the parameters on
+  them.
   ``tx.update`` sees only its own state, so it recognises the chain by its caller: optax.chain's update
   function (by its code object, as ``transform._IDENTITY_UPDATE``), whose frame holds the chain's state tuple.
   A user's own tuple of states is never mistaken for a chain; a chain that optax builds some other way
@@ -15,7 +18,7 @@
   inside a ``MultiStepsState.inner_opt_state``; whether the installed optax still has the bug is decided by
   running it once (:func:`multisteps_keeps_an_overflow`), so the warning goes away with an optax that fixes it.
 
-Both are ``UserWarning``s given while tracing (once per compilation under ``jit``).
+Each check returns the message (None when the nesting is right); :mod:`jamp.scaling.lint` warns with it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-import warnings
 from typing import Any
 
 import jax
@@ -47,9 +49,22 @@ def _name(update: Any) -> str:
     return f"optax.{name}(...)" if name.isidentifier() and name not in (_WRAPPER, "chain") else "..."
 
 
-def _chain_around(state: ScalerState, caller: types.FrameType | None) -> tuple[list[str], list[str]] | None:
-    """The names of what is chained before and after the scaler whose ``update`` got ``state`` from ``caller``,
-    when ``caller`` is optax.chain's update; None otherwise."""
+def _moves_a_zero_update(update: Any, state: Any, updates: Any, params: Any) -> bool:
+    """Whether a stateless transformation's ``update`` turns zero updates into nonzero ones (weight decay), on
+    concrete zeros and ones of the gradients' shapes (params given: ``add_decayed_weights`` needs them)."""
+    with jax.ensure_compile_time_eval():
+        zeros = jax.tree.map(lambda u: jnp.zeros(u.shape, u.dtype), updates)
+        ones = None if params is None else jax.tree.map(lambda p: jnp.ones(p.shape, p.dtype), params)
+        try:
+            out, _ = update(zeros, state, ones)
+        except Exception:  # noqa: BLE001 (a transformation this probe cannot run is not judged)
+            return False
+        return any(bool(jnp.any(jnp.asarray(x) != 0)) for x in jax.tree.leaves(out))
+
+
+def _chain_around(state: ScalerState, caller: types.FrameType | None, updates: Any) -> tuple[list, list] | None:
+    """The names of what is chained before the scaler whose ``update`` got ``state`` from ``caller``, and after it
+    with a state or moving a zero update, when ``caller`` is optax.chain's update; None otherwise."""
     if caller is None or caller.f_code is not _CHAIN_UPDATE:
         return None
     local = caller.f_locals
@@ -58,18 +73,23 @@ def _chain_around(state: ScalerState, caller: types.FrameType | None) -> tuple[l
     if len(at) != 1:
         return None
     fns = local.get("update_fns")
-    names = [_name(f) for f in fns] if fns is not None and len(fns) == len(chain_state) else ["..."] * len(chain_state)
+    known = fns is not None and len(fns) == len(chain_state)
+    names = [_name(f) for f in fns] if known else ["..."] * len(chain_state)
     (i,) = at
-    after = [n for n, s in zip(names[i + 1 :], chain_state[i + 1 :]) if jax.tree.leaves(s)]  # stateless: harmless
+    after = [
+        n
+        for j, (n, s) in enumerate(zip(names[i + 1 :], chain_state[i + 1 :]), start=i + 1)
+        if jax.tree.leaves(s) or (known and _moves_a_zero_update(fns[j], s, updates, local.get("params")))
+    ]
     return names[:i], after
 
 
-def check_chain(state: ScalerState, caller: types.FrameType | None, stacklevel: int) -> None:
-    """Warn when ``tx.update`` was called by ``optax.chain`` with transformations before it, or after it with a
-    state (the module docstring says why)."""
-    around = _chain_around(state, caller)
+def chain_message(state: ScalerState, caller: types.FrameType | None, updates: Any) -> str | None:
+    """What is wrong when ``tx.update`` was called by ``optax.chain`` with transformations before it, or after it
+    with a state or one that moves a zero update (the module docstring says why); None otherwise."""
+    around = _chain_around(state, caller, updates)
     if not around or not any(around):
-        return
+        return None
     before, after = around
     said = []
     if before:
@@ -80,17 +100,17 @@ def check_chain(state: ScalerState, caller: types.FrameType | None, stacklevel: 
         )
     if after:
         said.append(
-            f"{', '.join(after)} chained after it {'keeps' if len(after) == 1 else 'keep'} updating its state on the steps the scaler skips "
-            "(Adam's count and moments, a schedule's step)"
+            f"{', '.join(after)} chained after it {'runs' if len(after) == 1 else 'run'} on the steps the scaler skips "
+            "(Adam's count and moments, a schedule's step advance; weight decay moves the parameters): only "
+            "transformations that map a zero update to zero, with no state, may follow it"
         )
     inside = ", ".join([*before, "opt", *after])
-    warnings.warn(
+    return (
         f"jamp.scaler is chained beside other transformations in optax.chain: {'; '.join(said)}. Put them inside "
         f"the scaler, in the same order: jamp.scaler({inside}), where opt is what the scaler wraps now. It runs "
         "what it wraps on the unscaled gradients, and not at all on a skipped step (for a clip, torch's unscale_ "
         "before clip_grad_norm_): jamp.scaler(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), not "
-        "optax.chain(optax.clip_by_global_norm(1.0), jamp.scaler(optax.adam(1e-3))).",
-        stacklevel=stacklevel + 1,
+        "optax.chain(optax.clip_by_global_norm(1.0), jamp.scaler(optax.adam(1e-3)))."
     )
 
 
@@ -112,20 +132,19 @@ def _is_multisteps(x: Any) -> bool:
     return isinstance(x, optax.MultiStepsState)
 
 
-def check_multisteps(opt_state: Any, stacklevel: int) -> None:
-    """Warn when an enabled scaler's state sits inside ``optax.MultiSteps`` and the installed optax loses the
-    accumulator to an overflow (the module docstring says why)."""
+def multisteps_message(opt_state: Any) -> str | None:
+    """What is wrong when an enabled scaler's state sits inside ``optax.MultiSteps`` and the installed optax
+    loses the accumulator to an overflow (the module docstring says why); None otherwise."""
     outer = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_multisteps) if _is_multisteps(x)]
     inside = [s for m in outer for s in scaler_state.all_states(m.inner_opt_state) if isinstance(s, ScalerState)]
     if not inside or not multisteps_keeps_an_overflow():
-        return
-    warnings.warn(
+        return None
+    return (
         "optax.MultiSteps(jamp.scaler(...), k): MultiSteps accumulates the scaled gradients, and the installed "
         f"optax {optax.__version__} resets its accumulator as (1 - emit) * acc, so after a window whose scaled "
         "gradients overflowed (expected in the first steps, while the scale calibrates) 0 * inf leaves NaN in the "
         "accumulator: every later window is skipped and the parameters never move again. Nest them the other way, "
         "jamp.scaler(optax.MultiSteps(opt, every_k_schedule=k)), which unscales and checks each micro-batch, or "
         "accumulate the scaled gradients yourself and call tx.update once per window (docs/gradient-scaling.md, "
-        "Gradient accumulation).",
-        stacklevel=stacklevel + 1,
+        "Gradient accumulation)."
     )

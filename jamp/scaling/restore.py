@@ -2,11 +2,12 @@
 
 orbax restores a tree it is given no target for as nested dicts and lists (a NamedTuple becomes a dict of its
 fields, a tuple a list), and refuses a target whose structure differs from the checkpoint's. A checkpoint
-saved by a jamp whose ``ScalerState`` lacked some of the skipped-steps report's fields (``consecutive_skips``,
-``warned``, ``skip_episodes``, ``scaler_id``: :mod:`jamp.scaling.skip_episodes`) therefore restores only without
-a target; this puts its values into the target's structure and takes the missing fields from the target, as
-``tx.init`` made them: no skips counted, no episode, the target's scaler (a run of skips under way when it was
-saved is counted from the restore).
+saved by a jamp whose ``ScalerState`` lacked some of the skipped-steps report's fields (``warn_after_skips``,
+``warn_below_scale``, ``consecutive_skips``, ``warned``, ``skip_episodes``: :mod:`jamp.scaling.skip_episodes`), or
+had one that is gone (``scaler_id``, a creation-order number of the release before), therefore restores only
+without a target; this puts its values into the target's structure, leaves out what the target does not have,
+and takes the missing fields from the target, as ``tx.init`` made them: the target scaler's thresholds, no skips
+counted, no episode (a run of skips under way when it was saved is counted from the restore).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from jamp.scaling import state as scaler_state
 from jamp.scaling.state import ScalerState
 
 # ScalerState fields that a checkpoint saved by an older jamp lacks
-ADDED_FIELDS = ("consecutive_skips", "warned", "skip_episodes", "scaler_id")
+ADDED_FIELDS = ("warn_after_skips", "warn_below_scale", "consecutive_skips", "warned", "skip_episodes")
 
 _MISSING = object()
 
@@ -63,7 +64,8 @@ def from_restored(target: Any, restored: Any) -> Any:
     from the checkpoint's, as one saved by a jamp whose ``ScalerState`` lacked some fields does. Each leaf
     must have the target's shape and dtype (a ValueError names the path otherwise) and is placed with the
     target leaf's sharding when it has one. The skipped-steps fields of a scaler state that the checkpoint
-    lacks (saved by an older jamp) are the target's (zeros where the target is a ``jax.eval_shape``).
+    lacks (saved by an older jamp) are the target's (zeros where the target is a ``jax.eval_shape``: then the
+    thresholds are 0, no episode is counted; build the target with ``tx.init`` to keep them).
 
     Args:
         target: a pytree of the structure to restore into, with arrays (or ``jax.ShapeDtypeStruct`` leaves)

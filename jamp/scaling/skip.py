@@ -27,7 +27,7 @@ computed count feeds is an update, zeroed on a skipped step, or a state leaf, se
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,35 +46,52 @@ def _select(skip: jax.Array, old: Any, new: Any) -> jax.Array:
     return jax.lax.select(skip, old, new)
 
 
-def _trace(update: Callable, grads: Any, state: Any, params: Any, extra: dict):
-    """``update`` as a closed jaxpr over (grads, state, params, array extras); other extras are static."""
+class Traced(NamedTuple):
+    """The wrapped optimizer's ``update``, traced once: a closed jaxpr over the flat (grads, state, params, array
+    extras), the flat arguments, the output tree and how many of the outputs are updates."""
+
+    closed: Any
+    args: list
+    out_tree: Any
+    n_updates: int
+
+    def __call__(self) -> list:
+        """The update's flat outputs, its equations bound again (what the user's ``update`` would bind)."""
+        return jax.core.eval_jaxpr(self.closed.jaxpr, self.closed.consts, *self.args)
+
+
+def trace(update: Callable, grads: Any, state: Any, params: Any, extra: dict) -> Traced:
+    """``update(grads, state, params, **extra)`` as a :class:`Traced`; extras that are not arrays are static."""
     dynamic = {k: v for k, v in extra.items() if isinstance(v, jax.Array)}
     static = {k: v for k, v in extra.items() if k not in dynamic}
     args = (grads, state, params, dynamic)
     closed, out_shape = jax.make_jaxpr(lambda g, s, p, d: update(g, s, p, **static, **d), return_shape=True)(*args)
     if jax.tree.structure(out_shape[1]) != jax.tree.structure(state):
         raise TypeError("jamp.scaler: the wrapped transformation returned a state of another structure")
-    return closed, jax.tree.leaves(args), jax.tree.structure(out_shape), len(jax.tree.leaves(out_shape[0]))
+    return Traced(closed, jax.tree.leaves(args), jax.tree.structure(out_shape), len(jax.tree.leaves(out_shape[0])))
+
+
+def zero_where(skip: jax.Array, x: jax.Array, zeros: _leaves.Spread) -> jax.Array:
+    """``x``, or -0.0 where ``skip`` is True (``p + -0.0`` is ``p``, even ``p = -0.0``); leaves that are not
+    floating (the float0 gradients of integer parameters, integer updates) pass as they are."""
+    return jax.lax.select(skip, zeros("-0", -0.0, x), x) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
 def _zero_where(skip: jax.Array, updates: list, zeros: _leaves.Spread) -> list:
-    return [jax.lax.select(skip, zeros("-0", -0.0, u), u) for u in updates]  # p + -0.0 is p, even p = -0.0
+    return [zero_where(skip, u, zeros) for u in updates]
 
 
-def select_where_produced(
-    update: Callable, skip: jax.Array, grads: Any, state: Any, params: Any, extra: dict, zeros: _leaves.Spread
-):
-    """``update(grads, state, params, **extra)``, or ``(zeros, state)`` bit for bit where ``skip`` is True;
+def select_where_produced(traced: Traced, skip: jax.Array, state: Any, zeros: _leaves.Spread):
+    """The traced update's ``(updates, state)``, or ``(zeros, state)`` bit for bit where ``skip`` is True;
     each state leaf is selected as soon as it is produced (the module docstring says why)."""
-    closed, flat_args, out_tree, n_updates = _trace(update, grads, state, params, extra)
-    jaxpr, olds = closed.jaxpr, jax.tree.leaves(state)
-    state_vars = jaxpr.outvars[n_updates:]
+    jaxpr, olds = traced.closed.jaxpr, jax.tree.leaves(state)
+    state_vars = jaxpr.outvars[traced.n_updates :]
     old_of: dict = {}  # state output computed by an equation -> the old leaf it replaces (first occurrence)
     for v, old in zip(state_vars, olds):
         if isinstance(v, jc.Var) and v not in jaxpr.invars and v not in old_of:
             old_of[v] = old
 
-    env: dict = {**dict(zip(jaxpr.constvars, closed.consts)), **dict(zip(jaxpr.invars, flat_args))}
+    env: dict = {**dict(zip(jaxpr.constvars, traced.closed.consts)), **dict(zip(jaxpr.invars, traced.args))}
     computed: dict = {}  # state outputs as inner computed them
     selected: dict = {}  # the same, selected against the old leaf they replace
 
@@ -97,21 +114,17 @@ def select_where_produced(
             return selected[v]
         return _select(skip, old, computed[v] if isinstance(v, jc.Var) and v in computed else read(v))
 
-    updates = _zero_where(skip, [jnp.asarray(read(v)) for v in jaxpr.outvars[:n_updates]], zeros)
-    return jax.tree.unflatten(out_tree, updates + [new_leaf(v, old) for v, old in zip(state_vars, olds)])
+    updates = _zero_where(skip, [jnp.asarray(read(v)) for v in jaxpr.outvars[: traced.n_updates]], zeros)
+    return jax.tree.unflatten(traced.out_tree, updates + [new_leaf(v, old) for v, old in zip(state_vars, olds)])
 
 
-def select_after(
-    update: Callable, skip: jax.Array, grads: Any, state: Any, params: Any, extra: dict, zeros: _leaves.Spread
-):
-    """The same result as :func:`select_where_produced`: run ``update``, then select every state leaf and
+def select_after(traced: Traced, skip: jax.Array, state: Any, zeros: _leaves.Spread):
+    """The same result as :func:`select_where_produced`: run the update, then select every state leaf and
     zero the updates. XLA:GPU fuses each select into the kernel that produces the leaf."""
-    updates, new_state = update(grads, state, params, **extra)
-    if jax.tree.structure(new_state) != jax.tree.structure(state):
-        raise TypeError("jamp.scaler: the wrapped transformation returned a state of another structure")
-    flat, tree = jax.tree.flatten(updates)
-    selected = jax.tree.map(lambda old, new: _select(skip, old, new), state, new_state)
-    return jax.tree.unflatten(tree, _zero_where(skip, [jnp.asarray(u) for u in flat], zeros)), selected
+    outs = traced()
+    updates = _zero_where(skip, [jnp.asarray(u) for u in outs[: traced.n_updates]], zeros)
+    selected = [_select(skip, old, new) for old, new in zip(jax.tree.leaves(state), outs[traced.n_updates :])]
+    return jax.tree.unflatten(traced.out_tree, updates + selected)
 
 
 # Which form each platform runs (benchmarks/scaler_overhead.py measures both): on XLA:CPU a select after
@@ -119,15 +132,14 @@ def select_after(
 FORM_OF_PLATFORM = {"cuda": select_after, "default": select_where_produced}
 
 
-def step_or_skip(
-    update: Callable, skip: jax.Array, grads: Any, state: Any, params: Any, extra: dict, zeros: _leaves.Spread
-):
-    """``update(grads, state, params, **extra)``, or ``(zeros, state)`` bit for bit where ``skip`` is True,
-    in the form :data:`FORM_OF_PLATFORM` picks for the platform the program is lowered for. ``zeros`` holds
-    the -0.0 arrays the caller already made (one per shape and dtype)."""
+def step_or_skip(traced: Traced, skip: jax.Array, state: Any, zeros: _leaves.Spread):
+    """The traced update's ``(updates, state)``, or ``(zeros, state)`` bit for bit where ``skip`` is True, in
+    the form :data:`FORM_OF_PLATFORM` picks for the platform the program is lowered for. The update was traced
+    once; each form binds its equations again. ``zeros`` holds the -0.0 arrays the caller already made (one
+    per shape and dtype)."""
 
     def branch(form):
-        return lambda: form(update, skip, grads, state, params, extra, zeros.fork())
+        return lambda: form(traced, skip, state, zeros.fork())
 
     branches = {platform: branch(form) for platform, form in FORM_OF_PLATFORM.items()}
     return jax.lax.platform_dependent(**branches)

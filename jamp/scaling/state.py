@@ -26,9 +26,11 @@ _INT32_MAX = 2**31 - 1
 class ScalerState(NamedTuple):
     """State of an enabled :func:`jamp.scaler` (torch ``GradScaler``'s ``_scale``/``_growth_tracker`` and config).
 
-    ``consecutive_skips``, ``warned``, ``skip_episodes`` and ``scaler_id`` are jamp's: the skipped-steps report
-    (:mod:`jamp.scaling.skip_episodes` counts on the device, :mod:`jamp.scaling.skip_report` reads on the host,
-    and registers this class as a pytree node whose flatten does the reading).
+    ``warn_after_skips``, ``warn_below_scale``, ``consecutive_skips``, ``warned`` and ``skip_episodes`` are
+    jamp's: the skipped-steps report (:mod:`jamp.scaling.skip_episodes` counts on the device;
+    :func:`jamp.report_skipped_steps`, :func:`jamp.get_scale` and :func:`jamp.scaler_summary` read them when
+    asked). The state is a plain NamedTuple, inert like optax's states: a function of the hyperparameters and
+    the gradients it saw, nothing else (identically configured scalers make bit-identical states).
     ``growth_factor`` and ``backoff_factor`` are the IEEE-754 doubles of the Python floats as ``uint32[2]``
     (high word, low word): torch multiplies the scale by them in double precision, and JAX without x64 has
     no double. ``jamp.state_dict`` shows them as floats.
@@ -47,13 +49,13 @@ class ScalerState(NamedTuple):
         min_scale: f32[]: backoff never goes below it (0: no floor, as torch).
         max_scale: f32[]: growth never goes above it (inf: no ceiling, as torch).
         found_inf: bool[]: the last update saw inf/NaN and was skipped.
+        warn_after_skips: i32[]: a run of this many skips starts an episode (0: never).
+        warn_below_scale: f32[]: a backoff below this scale starts an episode (0: never).
         consecutive_skips: i32[]: updates skipped in a row (0 after a step that was taken).
         warned: bool[]: this run of skips started an episode (:class:`jamp.SkippedStepsWarning`); cleared
             by a step taken.
         skip_episodes: i32[]: episodes so far (runs of skips that reached a ``warn_*`` threshold); never
             reset.
-        scaler_id: i32[]: the number of the ``jamp.scaler`` that made the state (creation order in the
-            process).
         inner_state: the state of the optimizer the scaler wraps.
 
     Examples:
@@ -73,12 +75,13 @@ class ScalerState(NamedTuple):
     min_scale: jax.Array  # f32[]: backoff never goes below (0: no floor, as torch)
     max_scale: jax.Array  # f32[]: growth never goes above (inf: no ceiling, as torch)
     found_inf: jax.Array  # bool[]: the last update saw inf/NaN and was skipped
+    warn_after_skips: jax.Array  # i32[]: a run of this many skips starts an episode (0: never)
+    warn_below_scale: jax.Array  # f32[]: a backoff below this scale starts an episode (0: never)
     consecutive_skips: jax.Array  # i32[]: updates skipped in a row (0 after a step that was taken)
     warned: (
         jax.Array
     )  # bool[]: this run of skips started an episode (jamp.SkippedStepsWarning); cleared by a step taken
     skip_episodes: jax.Array  # i32[]: episodes so far (runs of skips that reached a warn_* threshold); never reset
-    scaler_id: jax.Array  # i32[]: the number of the jamp.scaler that made the state (creation order in the process)
     inner_state: optax.OptState
 
 
@@ -232,8 +235,8 @@ def find(opt_state: Any) -> ScalerState | DisabledScalerState:
             "with a target so the structure comes back, e.g. checkpointer.restore(path, {'opt_state': "
             "tx.init(params), ...}) or, without allocating, jax.eval_shape(tx.init, params) as the target; or put "
             "what was restored into that structure with jamp.from_restored(target, restored), which also takes a "
-            "checkpoint saved by a jamp without ScalerState.consecutive_skips, .warned, .skip_episodes or .scaler_id (a target cannot "
-            "restore those)"
+            "checkpoint saved by a jamp without ScalerState.warn_after_skips, .warn_below_scale, .consecutive_skips, "
+            ".warned or .skip_episodes (a target cannot restore those)"
         )
     given = "None" if opt_state is None else f"a {type(opt_state).__name__}"
     what = f"no jamp.scaler state (opt_state is {given})" if not found else f"{len(found)} jamp.scaler states"

@@ -7,10 +7,8 @@ advancing their counts and moments.
 
 from __future__ import annotations
 
-import functools
-import sys
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -19,7 +17,7 @@ import optax
 
 import jamp_kernels
 from jamp._arguments import checked_bool, checked_transformation
-from jamp.scaling import nesting, scale_update, skip, skip_episodes, skip_report, unscaled_grads
+from jamp.scaling import guards, lint, scale_update, skip, skip_episodes
 from jamp.scaling import state as scaler_state
 from jamp.scaling.state import DisabledScalerState, ScalerState
 from jamp.scaling.transformation import ScalerTransformation
@@ -89,35 +87,11 @@ def _check_inner(inner: tuple) -> optax.GradientTransformationExtraArgs:
             "jamp.scaler(optax.clip_by_global_norm(1.0), optax.adam(1e-3))), not optax.chain(jamp.scaler("
             "optax.identity()), optax.adam(1e-3)), where a skipped step still advances Adam's count and decays "
             "its moments",
-            stacklevel=4,
+            stacklevel=3,
         )
     return optax.with_extra_args_support(inner[0] if len(inner) == 1 else optax.chain(*inner))
 
 
-def _not_injectable(factory: Callable) -> Callable:
-    """Refuse ``optax.inject_hyperparams(jamp.scaler)`` with a message that shows what to write instead.
-
-    inject_hyperparams calls its factory with every parameter by keyword, ``*more`` included, and would turn
-    the scaler's hyperparameters into arrays that ``update`` never reads: they already live in the
-    scaler's state (changed with ``jamp.load_state_dict``/``jamp.set_scale``, no recompilation).
-    """
-
-    @functools.wraps(factory)
-    def wrapper(*args: Any, **kwargs: Any) -> optax.GradientTransformationExtraArgs:
-        if "more" in kwargs:
-            raise TypeError(
-                "optax.inject_hyperparams(jamp.scaler) is not supported: the scaler's hyperparameters are "
-                "arrays in its state already (change them with jamp.load_state_dict or jamp.set_scale). "
-                "To schedule or change the optimizer's hyperparameters, inject them into the optimizer the "
-                "scaler wraps: jamp.scaler(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)), then "
-                "opt_state.inner_state.hyperparams['learning_rate']"
-            )
-        return factory(*args, **kwargs)
-
-    return wrapper
-
-
-@_not_injectable
 def scaler(
     inner: optax.GradientTransformation | None = None,
     *more: optax.GradientTransformation,
@@ -132,6 +106,7 @@ def scaler(
     max_scale: float | None = None,
     warn_after_skips: int | None = 32,
     warn_below_scale: float | None = 1.0,
+    **unknown: Any,
 ) -> ScalerTransformation:
     """Dynamic loss scaling around ``inner`` (several transformations are chained), as torch's GradScaler.
 
@@ -146,10 +121,8 @@ def scaler(
     Beyond torch, which says nothing, the scaler warns (:class:`jamp.SkippedStepsWarning`, once per episode)
     when ``warn_after_skips`` updates in a row were skipped or a backoff takes the scale below
     ``warn_below_scale`` (:mod:`jamp.scaling.skip_episodes` says why 32 and 1.0); None turns a condition off.
-    The step only counts episodes in its state, with no callback or conditional; the host reads the count when
-    the state is passed to a later step (:mod:`jamp.scaling.skip_report`). Gradients that were differentiated
-    in the same jitted function without ``jamp.scale`` get a :class:`jamp.UnscaledGradientsWarning` while
-    tracing.
+    The step only counts episodes in its state, with no callback or conditional; the reads a loop logs with
+    say so (:func:`jamp.get_scale`, :func:`jamp.scaler_summary`, :func:`jamp.report_skipped_steps`).
 
     Unlike torch, where several optimizers share one GradScaler and each skips on its own overflow, one
     jamp.scaler takes one decision: wrap ``optax.multi_transform`` to skip all groups together, or give
@@ -159,10 +132,14 @@ def scaler(
     clips the unscaled gradients (torch's ``unscale_`` before ``clip_grad_norm_``), while
     ``optax.chain(optax.clip_by_global_norm(1.0), jamp.scaler(optax.adam(1e-3)))`` clips the scaled ones and
     cuts every step to almost nothing; what is chained after the scaler with a state advances on skipped steps.
-    Accumulate with ``jamp.scaler(optax.MultiSteps(opt, k))``, not ``optax.MultiSteps(jamp.scaler(opt), k)``,
-    which an overflow stops for good on optax 0.2.8. ``tx.update`` takes the *scaled* gradients: unscale only
-    what you log (``jamp.unscale(grads, opt_state)``). jamp warns about each of these while tracing
-    (:mod:`jamp.scaling.nesting`, :class:`jamp.UnscaledGradientsWarning`).
+    Only transformations that map a zero update to zero, with no state, may follow it in a chain
+    (``optax.add_decayed_weights`` may not: it would move the parameters on skipped steps). Accumulate with
+    ``jamp.scaler(optax.MultiSteps(opt, k))``, not ``optax.MultiSteps(jamp.scaler(opt), k)``, which an overflow
+    stops for good on optax 0.2.8. ``tx.update`` takes the *scaled* gradients: unscale only what you log
+    (``jamp.unscale(grads, opt_state)``). :func:`jamp.check_step` finds each of these (a lint run once).
+    While ``update`` is traced, the scaler refuses an optimizer that communicates over a mapped axis
+    ``axis_name`` does not name, and warns about float16 parameters under an optimizer that is neither
+    :func:`jamp.kahan_summation` nor :func:`jamp.stochastic_rounding` (:mod:`jamp.scaling.guards`).
 
     Args:
         inner: the optax transformation the scaler guards (the optimizer); required.
@@ -188,6 +165,7 @@ def scaler(
             beyond torch.
         warn_after_skips: warn when this many updates in a row were skipped (an int >= 1), or None.
         warn_below_scale: warn when a backoff takes the scale below this finite float > 0, or None.
+        **unknown: no other keyword is taken; each gets a TypeError that says what to write.
 
     Returns:
         A :class:`jamp.ScalerTransformation`: ``init(params)`` makes a :class:`jamp.ScalerState`
@@ -196,7 +174,8 @@ def scaler(
 
     Raises:
         TypeError: without ``inner``, for an argument that is not an optax transformation, a hyperparameter
-            of the wrong type (a bool, a string, a traced value), or under ``optax.inject_hyperparams``.
+            of the wrong type (a bool, a string, a traced value, an array as ``optax.inject_hyperparams``
+            passes), an unknown keyword (torch's ``device=`` answered).
         ValueError: for a hyperparameter out of its range, ``min_scale > max_scale``, or an unknown
             ``backend``.
 
@@ -214,6 +193,7 @@ def scaler(
         Array([-0.2, -0.2, -0.2], dtype=float32)
         >>> params = optax.apply_updates(params, updates)
     """
+    guards.refuse_unknown_keywords(unknown, locals())
     inner_tx = _check_inner(() if inner is None else (inner, *more))
     if not checked_bool("enabled", enabled):
         return _disabled(inner_tx)
@@ -224,10 +204,9 @@ def scaler(
             growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval
         ),
         **scaler_state.bounds(min_scale, max_scale),
+        **skip_episodes.thresholds(warn_after_skips, warn_below_scale),
     }
     scale0 = scaler_state.checked_init_scale(init_scale, hp)
-    limits = skip_episodes.thresholds(warn_after_skips, warn_below_scale)
-    reporter = skip_report.Reporter.new(limits)
 
     def init(params: optax.Params) -> ScalerState:
         _refuse_opt_state_as_params(params)
@@ -237,26 +216,25 @@ def scaler(
             **scaler_state.as_arrays(hp),
             found_inf=jnp.zeros((), jnp.bool_),
             **skip_episodes.initial_fields(),
-            scaler_id=jnp.asarray(reporter.start()),
             inner_state=inner_tx.init(params),
         )
 
     def update(grads: optax.Updates, state: ScalerState, params: optax.Params | None = None, **extra: Any):
         scaler_state.refuse_foreign(state, params, ScalerState)
-        nesting.check_chain(state, sys._getframe(1), stacklevel=3)
-        unscaled_grads.check(grads, state.scale, stacklevel=2)
+        lint.note_update(state, grads)
         found_inf = _combine(jamp_kernels.has_nonfinite(grads, backend=backend), axis_name)
         # == float32(1 / float64(scale)) (tests/scaling/test_scaler_torch.py), kept normal above 2**126. XLA fuses
         # the unscale into inner's loops; zeroing a skipped step's grads means the computation that is
         # discarded never sees inf/NaN (an SVD of an inf matrix may never return).
         unscaled = jamp_kernels.unscale(grads, jamp_kernels.inverse(state.scale))
         zeros = _leaves.Spread()  # -0.0 once per shape, shared with the zeroed updates of a skipped step
-        finite = jax.tree.map(lambda g: jax.lax.select(found_inf, zeros("-0", -0.0, g), g), unscaled)
-        updates, inner_state = skip.step_or_skip(
-            inner_tx.update, found_inf, finite, state.inner_state, params, extra, zeros
-        )
+        finite = jax.tree.map(lambda g: skip.zero_where(found_inf, g, zeros), unscaled)
+        traced = skip.trace(inner_tx.update, finite, state.inner_state, params, extra)
+        guards.refuse_unnamed_collectives(traced.closed.jaxpr, axis_name)
+        guards.warn_low_precision_params(grads, [a.dtype for a in traced.closed.out_avals[: traced.n_updates]])
+        updates, inner_state = skip.step_or_skip(traced, found_inf, state.inner_state, zeros)
         scale, tracker = scale_update.next_scale(state, found_inf)
-        episode = skip_episodes.track(limits, state, found_inf, scale)
+        episode = skip_episodes.track(state, found_inf, scale)
         return updates, state._replace(
             scale=scale, growth_tracker=tracker, found_inf=found_inf, inner_state=inner_state, **episode
         )

@@ -428,7 +428,7 @@ def digest(shard_index):
 
 
 # The skipped-steps report across processes: process 1's data overflows three steps in a row (an episode with
-# warn_after_skips=2); every process skips them, and each process's host reports the episode once.
+# warn_after_skips=2); every process skips them, and jamp.report_skipped_steps on each process says so once.
 import warnings
 tx2 = jamp.scaler(optax.adam(1e-2), init_scale=2.0**12, warn_after_skips=2, warn_below_scale=None)
 state = jax.jit(tx2.init, out_shardings=replicated)(params)
@@ -448,7 +448,7 @@ with warnings.catch_warnings(record=True) as caught:
         x, y = (jax.make_array_from_process_local_data(batch, a) for a in local_batch(step))
         params, state = episode_step(params, state, x, y)
     jamp.report_skipped_steps(state)
-reports = [str(w.message)[:45] for w in caught if w.category is jamp.SkippedStepsWarning]
+reports = [str(w.message)[:58] for w in caught if w.category is jamp.SkippedStepsWarning]
 
 print(json.dumps({"process": jax.process_index(), "devices": jax.device_count(), "skipped": skipped,
                   "scales": scales, "digests": [digest(i) for i in range(jax.local_device_count())],
@@ -531,7 +531,7 @@ def test_every_process_skips_the_steps_where_one_process_overflowed(workers):
 
 def test_every_process_skips_an_episode_and_reports_it_once(workers):
     assert [r["episode_skips"] for r in workers] == [3, 3]
-    assert [r["reports"] for r in workers] == [["jamp.scaler: 3 update(s) in a row were skippe"]] * 2
+    assert [r["reports"] for r in workers] == [["jamp.scaler at opt_state: 3 update(s) in a row were skippe"]] * 2
 
 
 def test_every_process_ends_with_identical_parameters_and_scale(workers):

@@ -66,14 +66,15 @@ def test_returns_extra_args_transformation_and_state():
         "min_scale": (jnp.float32, ()),
         "max_scale": (jnp.float32, ()),
         "found_inf": (jnp.bool_, ()),
+        "warn_after_skips": (jnp.int32, ()),
+        "warn_below_scale": (jnp.float32, ()),
         "consecutive_skips": (jnp.int32, ()),
         "warned": (jnp.bool_, ()),
         "skip_episodes": (jnp.int32, ()),
-        "scaler_id": (jnp.int32, ()),
     }
     assert (float(st.scale), int(st.growth_interval), bool(st.found_inf)) == (65536.0, 2000, False)
     assert (int(st.consecutive_skips), bool(st.warned), int(st.skip_episodes)) == (0, False, 0)
-    assert int(st.scaler_id) > 0
+    assert (int(st.warn_after_skips), float(st.warn_below_scale)) == (32, 1.0)
 
 
 def test_nothing_to_wrap_explains_the_wrapping_form():
@@ -341,7 +342,7 @@ def test_interpret_backend_matches_xla_backend():
         out = []
         for poison in (None, jnp.nan, None):
             updates, state = tx.update(grads_with(state, poison), state, PARAMS)
-            out.append((updates, state._replace(scaler_id=0)))  # each scaler has its own number
+            out.append((updates, state))
         results.append(out)
     chex.assert_trees_all_equal(*results)
 
@@ -542,14 +543,15 @@ def test_orbax_restore_without_a_target_says_to_give_one(tmp_path):
     assert float(jamp.get_scale(restored)) == float(jamp.get_scale(state))
 
 
-EPISODE_FIELDS = ("consecutive_skips", "warned", "skip_episodes", "scaler_id")
+EPISODE_FIELDS = ("warn_after_skips", "warn_below_scale", "consecutive_skips", "warned", "skip_episodes")
 
 
 def _as_saved_before_the_episode_fields(state: jamp.ScalerState):
-    """The state as a jamp without the skipped-steps fields saved it: a NamedTuple of the other fields."""
+    """The state as a jamp without the skipped-steps fields saved it: a NamedTuple of the other fields, and the
+    creation-order number (``scaler_id``) the release before this one saved."""
     fields = [f for f in jamp.ScalerState._fields if f not in EPISODE_FIELDS]
-    old = collections.namedtuple("ScalerState", fields)
-    return old(**{f: getattr(state, f) for f in fields})
+    old = collections.namedtuple("ScalerState", [*fields, "scaler_id"])
+    return old(**{f: getattr(state, f) for f in fields}, scaler_id=np.int32(7))
 
 
 def test_a_checkpoint_saved_before_the_episode_fields_restores_with_from_restored(tmp_path):
@@ -558,13 +560,13 @@ def test_a_checkpoint_saved_before_the_episode_fields_restores_with_from_restore
     ckpt.save(tmp_path / "old", {"params": PARAMS, "opt_state": _as_saved_before_the_episode_fields(state)})
     ckpt.wait_until_finished()
     target = {"params": PARAMS, "opt_state": jax.eval_shape(tx.init, PARAMS)}
-    with pytest.raises(ValueError, match="consecutive_skips"):  # orbax refuses the new structure as target
+    with pytest.raises(ValueError, match="warn_after_skips"):  # orbax refuses the new structure as target
         ckpt.restore(tmp_path / "old", target)
     untargeted = ckpt.restore(tmp_path / "old")
     with pytest.raises(
         ValueError,
         match=r"jamp\.from_restored\(target, restored\).*without "
-        r"ScalerState\.consecutive_skips",
+        r"ScalerState\.warn_after_skips",
     ):
         jamp.get_scale(untargeted["opt_state"])
     restored = jamp.from_restored(target, untargeted)

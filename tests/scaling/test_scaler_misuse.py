@@ -1,5 +1,6 @@
-"""The scaler says so when it is misused: gradients of the unscaled loss (jamp.UnscaledGradientsWarning), a scaler
-around nothing, jamp.scale's arguments swapped. Runs of skipped steps: tests/scaling/test_skip_report.py."""
+"""The scaler says so when it is misused: gradients of the unscaled loss (jamp.UnscaledGradientsWarning, found by the
+lint jamp.check_step, never by a default path), a scaler around nothing, jamp.scale's arguments swapped. Runs of
+skipped steps: tests/scaling/test_skip_report.py."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ amp_loss = jamp.autocast(loss_fn, device_type="gpu")  # float16 matmuls
 def _unscaled_warnings(step, *args) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        jax.jit(step).trace(*args)
+        jax.jit(step).trace(*args)  # a default trace says nothing
+        assert caught == []
+        jamp.check_step(jax.jit(step), *args)
     return [str(w.message) for w in caught if w.category is jamp.UnscaledGradientsWarning]
 
 
@@ -39,7 +42,7 @@ TX = jamp.scaler(optax.adam(1e-3))
 STATE = TX.init(PARAMS)
 
 
-def test_gradients_of_the_unscaled_loss_warn_while_tracing():
+def test_the_lint_finds_gradients_of_the_unscaled_loss():
     def forgot_scale(params, opt_state, x, y):
         grads = jax.grad(amp_loss)(params, x, y)
         return TX.update(grads, opt_state, params)
@@ -48,13 +51,13 @@ def test_gradients_of_the_unscaled_loss_warn_while_tracing():
     assert len(messages) == 1 and "UnscaledGradientsWarning" in jamp.__all__
     assert "without jamp.scale" in messages[0] and "65536 times" in messages[0]
     assert "jax.grad(lambda p: jamp.scale(loss_fn(p, batch), opt_state))(params)" in messages[0]
-    with warnings.catch_warnings(record=True) as caught:  # the warning points at the caller of tx.update
+    with warnings.catch_warnings(record=True) as caught:  # the warning points at the lint's call
         warnings.simplefilter("always")
-        jax.jit(lambda p, s: TX.update(jax.grad(amp_loss)(p, X, Y), s, p)).trace(PARAMS, STATE)
-    assert caught[0].filename == __file__
+        found = jamp.check_step(lambda p, s: TX.update(jax.grad(amp_loss)(p, X, Y), s, p), PARAMS, STATE)
+    assert caught[0].filename == __file__ and [str(w.message) for w in caught] == found
 
 
-def test_unscaled_gradients_accumulated_in_a_scan_or_taken_in_a_nested_jit_warn():
+def test_the_lint_finds_unscaled_gradients_accumulated_in_a_scan_or_taken_in_a_nested_jit():
     grad_fn = jax.jit(jax.grad(amp_loss))
 
     def nested(params, opt_state, x, y):

@@ -97,8 +97,6 @@ FORMS = """
 import json, warnings
 import jax, jax.numpy as jnp, numpy as np, optax, jamp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from jamp.scaling import skip_report
-skip_report.READ_BUDGET = 1.0
 n = jax.device_count()
 mesh = jax.make_mesh((n,), ("d",))
 params = {"w": jnp.ones((4,))}

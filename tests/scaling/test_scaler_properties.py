@@ -141,7 +141,8 @@ def test_scale_rule_matches_python_model(h, bounds):
         consecutive_skips=jnp.int32(0),
         warned=jnp.bool_(False),
         skip_episodes=jnp.int32(0),
-        scaler_id=jnp.int32(0),
+        warn_after_skips=jnp.int32(0),
+        warn_below_scale=jnp.float32(0),
         inner_state=(),
     )
     got_scales, got_trackers = _run(state, jnp.array(flags))

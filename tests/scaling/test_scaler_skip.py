@@ -127,7 +127,9 @@ def test_moments_are_read_selected_and_the_step_count_as_computed():
     adam = optax.adam(1e-2)
     state = adam.init(PARAMS)
     closed = jax.make_jaxpr(
-        lambda found_inf, g, s, p: skip.select_where_produced(adam.update, found_inf, g, s, p, {}, Spread())
+        lambda found_inf, g, s, p: skip.select_where_produced(
+            skip.trace(adam.update, g, s, p, {}), found_inf, s, Spread()
+        )
     )(True, GRADS, state, PARAMS)
     jaxpr = closed.jaxpr
     count = jaxpr.invars[1 + len(GRADS)]  # found_inf, the grads, then the state: Adam's count first

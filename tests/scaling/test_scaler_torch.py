@@ -214,7 +214,8 @@ def test_update_kernel_matches_torch_amp_update_scale():
         consecutive_skips=jnp.zeros(n, jnp.int32),
         warned=jnp.zeros(n, jnp.bool_),
         skip_episodes=jnp.zeros(n, jnp.int32),
-        scaler_id=jnp.zeros(n, jnp.int32),
+        warn_after_skips=jnp.zeros(n, jnp.int32),
+        warn_below_scale=jnp.zeros(n, jnp.float32),
         inner_state=None,
     )
     scale, tracker = jax.jit(scale_update.next_scale)(state, state.found_inf)

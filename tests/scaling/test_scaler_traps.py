@@ -1,7 +1,8 @@
 """Traps that change the numbers without a word (issue 36, point 4), and the weak errors beside them.
 
 * gradients unscaled outside the scaler (torch's ``unscale_`` habit) and then handed to ``tx.update``, which
-  divides them again: ``jamp.unscale`` is for logging, and jamp warns when the step does that;
+  divides them again: ``jamp.unscale`` is for logging, and the lint ``jamp.check_step`` says so (the traps
+  below are its findings: a default trace of the step says nothing);
 * transformations chained before or after ``jamp.scaler`` in ``optax.chain`` (a clip of the scaled gradients);
 * ``optax.MultiSteps(jamp.scaler(...), k)``, whose accumulator an overflow poisons on optax 0.2.8;
 * errors that said what went wrong in JAX's or Python's words instead of what to write.
@@ -34,9 +35,13 @@ def scaled_grads(p, opt_state):
 
 
 def caught_while_tracing(step, *args) -> list[warnings.WarningMessage]:
+    """What the lint says of ``step``, after checking that a default trace of it says nothing."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         jax.jit(step).trace(*args)
+        assert caught == []
+        found = jamp.check_step(step, *args)
+    assert [str(w.message) for w in caught] == found
     return caught
 
 
@@ -120,7 +125,7 @@ UNSCALED_TWICE = {
 
 
 @pytest.mark.parametrize("unscaled", UNSCALED_TWICE)
-def test_gradients_unscaled_before_tx_update_warn_while_tracing(unscaled):
+def test_the_lint_finds_gradients_unscaled_before_tx_update(unscaled):
     """torch's unscale_ then step: here tx.update divides them again, every step 65536 times too small."""
     tx = jamp.scaler(optax.sgd(1.0))
     unscale = UNSCALED_TWICE[unscaled]
@@ -135,6 +140,12 @@ def test_gradients_unscaled_before_tx_update_warn_while_tracing(unscaled):
     assert "already divided by the loss scale" in message and "65536 times" in message
     assert "norm = optax.tree.norm(jamp.unscale(grads, opt_state)); updates, opt_state = tx.update(grads" in message
     assert caught[0].filename == __file__
+
+
+def clipped_by_the_true_norm(grads, s, max_norm=0.1):
+    """The scaled gradients times min(1, max_norm / the true norm): still scaled (issue 43, point 4d)."""
+    norm = optax.tree.norm(jamp.unscale(grads, s))
+    return jax.tree.map(lambda g: g * jnp.minimum(1.0, max_norm / norm), grads)
 
 
 def test_scaled_gradients_that_meet_the_scale_after_the_backward_pass_do_not_warn():
@@ -154,6 +165,10 @@ def test_scaled_gradients_that_meet_the_scale_after_the_backward_pass_do_not_war
         "clipped outside": lambda p, s: optax.clip_by_global_norm(1.0).update(scaled_grads(p, s), None)[0],
         "gradient penalty": lambda p, s: jax.grad(penalized)(p, s),
         "accumulated": lambda p, s: jax.tree.map(lambda a, b: (a + b) / 2, scaled_grads(p, s), scaled_grads(p, s)),
+        "clipped by the true norm": lambda p, s: clipped_by_the_true_norm(scaled_grads(p, s), s),
+        "gated by the true norm": lambda p, s: jax.tree.map(
+            lambda g: g * (optax.tree.norm(jamp.unscale(scaled_grads(p, s), s)) < 10.0), scaled_grads(p, s)
+        ),
     }
     for name, grads in forms.items():
         caught = caught_while_tracing(lambda p, s, grads=grads: tx.update(grads(p, s), s, p), PARAMS, tx.init(PARAMS))
@@ -183,12 +198,21 @@ def test_a_transformation_chained_before_the_scaler_warns_with_the_wrapping_form
     )
 
 
-def test_a_transformation_with_a_state_chained_after_the_scaler_warns():
-    """Adam after the scaler counts the skipped steps and decays its moments on them; a stateless scale does not
-    care, and a user's own tuple of two optimizers' states is no chain."""
+def test_a_transformation_with_a_state_or_moving_a_zero_update_chained_after_the_scaler_warns():
+    """Adam after the scaler counts the skipped steps and decays its moments on them, weight decay moves the
+    parameters on them; a stateless scale does not care, and a user's own tuple of two optimizers' states is no
+    chain."""
     after = optax.chain(jamp.scaler(optax.clip_by_global_norm(1.0)), optax.adam(1e-3))
     caught = caught_while_tracing(lambda p, s: after.update(scaled_grads(p, s), s, p), PARAMS, after.init(PARAMS))
-    assert len(caught) == 1 and "chained after it keeps updating its state on the steps the scaler skips" in str(
+    assert len(caught) == 1 and "chained after it runs on the steps the scaler skips" in str(caught[0].message)
+    decayed = optax.chain(jamp.scaler(optax.sgd(1.0)), optax.add_decayed_weights(0.1))
+    params = {"w": jnp.ones(3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        skipped, _ = decayed.update({"w": jnp.full(3, jnp.inf)}, decayed.init(params), params)
+    assert float(jnp.abs(skipped["w"]).max()) == pytest.approx(0.1)  # a skipped step moves the parameters
+    caught = caught_while_tracing(lambda p, s: decayed.update(scaled_grads(p, s), s, p), params, decayed.init(params))
+    assert len(caught) == 1 and "optax.add_decayed_weights(...) chained after it runs on the steps" in str(
         caught[0].message
     )
     stateless = optax.chain(jamp.scaler(optax.scale_by_adam()), optax.scale(-1e-3))
