@@ -1,21 +1,26 @@
-"""What the skipped-steps report costs a small training step, called through ``jax.jit`` and AOT-compiled.
+"""What the skipped-steps report costs a small training step, called through ``jax.jit`` and AOT-compiled, and what
+a flatten of the scaler's state costs beside an optax state's.
 
 A small MLP (three 64-wide layers, batch 32) trained with Adam, each variant a whole step (forward, backward,
 update) with params and optimizer state donated:
 
   bare adam        optax.adam, gradients of the plain loss
-  scaler, off      jamp.scaler(adam, warn_after_skips=None, warn_below_scale=None): no report at all
-  scaler           jamp.scaler(adam): the default, the report on (episodes counted in the step, the host's
-                   look at the state when the next step is dispatched)
+  scaler, off      jamp.scaler(adam, warn_after_skips=None, warn_below_scale=None): no episode counted, and
+                   nothing read on the host
+  scaler           jamp.scaler(adam): the default, the report on (episodes counted in the step; the host reads
+                   nothing unless asked: jamp.get_scale / scaler_summary / report_skipped_steps)
 
 Each is called through ``jax.jit`` and through ``jax.jit(step).lower(...).compile()`` (the AOT executable,
 whose C++ dispatch path a host callback in the program would have disabled), on finite data and on data with a
-NaN (every step skipped, so an episode is under way and the host reads and reports). Rounds interleave the
+NaN (every step skipped, so an episode is under way). Rounds interleave the
 variants; each round times ``--calls`` calls of each; the ratios are taken within a round and their median and
 interquartile range printed, so machine load hits all variants alike. ``--clock process`` times with the
 process's CPU time (``time.process_time``: every thread of this process, XLA's included) instead of wall time:
 on a machine shared with other jobs it counts this process's work only. Goal (issue 36): scaler / scaler-off
 within 1.05 through both paths.
+
+The flatten rows time ``jax.tree.leaves`` of the scaler's state around Adam's and of a NamedTuple with the same
+fields (what an optax state is): JAX flattens every argument on every dispatch. Goal (issue 43): the same cost.
 
     python benchmarks/skip_report_cost.py [--rounds 15] [--calls 200] [--clock wall|process]
 """
@@ -23,6 +28,7 @@ within 1.05 through both paths.
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import time
 import warnings
@@ -116,6 +122,21 @@ def measure(data: tuple, rounds: int, calls: int, clock) -> dict:
     return times
 
 
+def flatten_cost(rounds: int, calls: int, clock) -> tuple[float, float]:
+    """Median microseconds of ``jax.tree.leaves`` of a ScalerState around Adam's state, and of a plain
+    NamedTuple holding the same fields, interleaved round by round."""
+    state = jamp.scaler(optax.adam(1e-3)).init(init_params(jax.random.key(0)))
+    plain = collections.namedtuple("Plain", jamp.ScalerState._fields)(*state)
+    times: dict[str, list[float]] = {"scaler": [], "plain": []}
+    for _ in range(rounds):
+        for name, tree in (("scaler", state), ("plain", plain)):
+            start = clock()
+            for _ in range(calls * 10):
+                jax.tree.leaves(tree)
+            times[name].append((clock() - start) / (calls * 10) * 1e6)
+    return statistics.median(times["scaler"]), statistics.median(times["plain"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
@@ -147,6 +168,11 @@ def main() -> None:
             )
     print(
         f"goal: scaler / scaler-off <= 1.05 on every row: {'met' if worst <= 1.05 else 'NOT met'} (worst {worst:.3f})"
+    )
+    scaler_us, plain_us = flatten_cost(args.rounds, args.calls, CLOCKS[args.clock])
+    print(
+        f"flatten: ScalerState {scaler_us:.2f} us, a NamedTuple of the same fields {plain_us:.2f} us, "
+        f"ratio {scaler_us / plain_us:.2f}"
     )
 
 
