@@ -16,13 +16,13 @@ from jamp.casting.policy import Policy, get_policy
 from jamp.low_precision_params.kahan import KahanSummationState, kahan_summation
 from jamp.low_precision_params.stochastic import StochasticRoundingState, stochastic_rounding
 from jamp.scaling.checkpoint import load_state_dict, state_dict
-from jamp.scaling.helpers import found_inf, get_scale, scale, scaler_summary, set_scale, unscale, value_and_grad
 from jamp.scaling.lint import check_step
+from jamp.scaling.loss_scale import found_inf, get_scale, scale, scaler_summary, set_scale, unscale, value_and_grad
 from jamp.scaling.restore import from_restored
+from jamp.scaling.scaler import scaler
 from jamp.scaling.skip_report import SkippedStepsWarning, report_skipped_steps
 from jamp.scaling.state import DisabledScalerState, ScalerState
-from jamp.scaling.transform import scaler
-from jamp.scaling.transformation import ScalerTransformation
+from jamp.scaling.torch_methods import ScalerTransformation
 from jamp.scaling.unscaled_grads import UnscaledGradientsWarning
 from jamp.tools.explanation import OpRecord, Report, explain
 from jamp.tools.overflow import Finding, find_overflow

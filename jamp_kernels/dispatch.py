@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jamp_kernels import _leaves, pallas_triton, sharding, xla
+from jamp_kernels import leafwise, pallas_triton, sharding, xla
 
 BACKENDS = ("auto", "xla", "pallas", "interpret")
 
@@ -76,8 +76,8 @@ def has_nonfinite(grads: Any, *, backend: str = "auto") -> jax.Array:
         Array(False, dtype=bool)
     """
     _check_backend(backend)
-    leaves, _ = _leaves.flatten(grads)
-    work = [g for g in leaves if _leaves.is_scaled(g)]
+    leaves, _ = leafwise.flatten(grads)
+    work = [g for g in leaves if leafwise.is_scaled(g)]
     if not work:
         return jnp.zeros((), jnp.bool_)
     return _check(work, backend=backend)
@@ -135,9 +135,9 @@ def unscale_and_check(
         Array(True, dtype=bool)
     """
     _check_backend(backend)
-    leaves, treedef = _leaves.flatten(grads)
-    inv = _leaves.inv_scale_pair(inv_scale)
-    picked = [i for i, g in enumerate(leaves) if _leaves.is_scaled(g)]
+    leaves, treedef = leafwise.flatten(grads)
+    inv = leafwise.inv_scale_pair(inv_scale)
+    picked = [i for i, g in enumerate(leaves) if leafwise.is_scaled(g)]
     if not picked:
         return grads, jnp.zeros((), jnp.bool_)
     outs, found = _unscale_and_check(inv, [leaves[i] for i in picked], backend=backend, donate=donate)

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jamp_kernels import _leaves
+from jamp_kernels import leafwise
 
 BLOCK_BYTES = 16 * 1024
 """Bytes one program moves per leaf block (4096 float32): 32 elements a thread at 4 warps."""
@@ -78,10 +78,10 @@ def _leaf_block(span: _Span, x_ref, o_ref, inv, pid, masked: bool) -> jax.Array:
     if masked:
         mask = start + lax.broadcasted_iota(jnp.int32, (span.block,), 0) < span.size
     x = plt.load(x_ref.at[window], mask=mask)
-    x = _leaves.from_bits(x, span.dtype) if x.dtype != span.dtype else x  # the check reads floats
+    x = leafwise.from_bits(x, span.dtype) if x.dtype != span.dtype else x  # the check reads floats
     if o_ref is not None:
-        plt.store(o_ref.at[window], _leaves.to_bits(_leaves.scale(x, *inv)), mask=mask)
-    bad = jnp.logical_not(jnp.isfinite(x.astype(_leaves.opmath(x.dtype))))
+        plt.store(o_ref.at[window], leafwise.to_bits(leafwise.scale(x, *inv)), mask=mask)
+    bad = jnp.logical_not(jnp.isfinite(x.astype(leafwise.opmath(x.dtype))))
     if mask is not None:
         bad = jnp.logical_and(bad, mask)
     return jnp.max(bad.astype(jnp.int32))
@@ -130,7 +130,7 @@ def _out_struct(shape, dtype, like: Sequence[jax.Array]) -> jax.ShapeDtypeStruct
 def _launch(leaves: Sequence[jax.Array], inv: jax.Array | None, *, interpret: bool, donate: bool):
     """One ``pallas_call`` over ``leaves``: with ``inv``, unscale and check; without, check only (reads only)."""
     spans = _layout(leaves)
-    flat = [g.reshape(-1) if inv is None else _leaves.to_bits(g.reshape(-1)) for g in leaves]
+    flat = [g.reshape(-1) if inv is None else leafwise.to_bits(g.reshape(-1)) for g in leaves]
     programs = spans[-1].first + spans[-1].blocks
     flags = _out_struct((programs,), jnp.int32, flat)
     flag_spec = pl.BlockSpec((1,), lambda b: (b,))
@@ -156,7 +156,7 @@ def _launch(leaves: Sequence[jax.Array], inv: jax.Array | None, *, interpret: bo
         name="jamp_unscale_and_check",
         **params,
     )(inv, *flat)
-    return [_leaves.from_bits(o, g.dtype).reshape(g.shape) for o, g in zip(outs, leaves)], jnp.max(flag_out) > 0
+    return [leafwise.from_bits(o, g.dtype).reshape(g.shape) for o, g in zip(outs, leaves)], jnp.max(flag_out) > 0
 
 
 def _grouped(

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jamp_kernels import _leaves, sharding
+from jamp_kernels import leafwise, sharding
 
 VIEWS_PER_LOOP = 16
 """Equal-length views of the gradients that one fused loop of the CPU check reads side by side: 16 input
@@ -51,16 +51,16 @@ def unscale(grads: Any, inv_scale: Any) -> Any:
         >>> jamp_kernels.unscale([jnp.array([65536.0])], inv_scale)
         [Array([1.], dtype=float32)]
     """
-    leaves, treedef = _leaves.flatten(grads)
-    inv = _leaves.inv_scale_pair(inv_scale)
-    factor, power, keep = (_leaves.once(v) for v in (inv[0], inv[1], _leaves.keeps(inv[0], inv[1])))
-    spread = _leaves.Spread()
+    leaves, treedef = leafwise.flatten(grads)
+    inv = leafwise.inv_scale_pair(inv_scale)
+    factor, power, keep = (leafwise.once(v) for v in (inv[0], inv[1], leafwise.keeps(inv[0], inv[1])))
+    spread = leafwise.Spread()
 
     def scale(g):
-        op = _leaves.opmath(g.dtype)
-        return _leaves.scale(g, spread("factor", factor, g, op), spread("power", power, g, op), keep)
+        op = leafwise.opmath(g.dtype)
+        return leafwise.scale(g, spread("factor", factor, g, op), spread("power", power, g, op), keep)
 
-    return jax.tree.unflatten(treedef, [scale(g) if _leaves.is_scaled(g) else g for g in leaves])
+    return jax.tree.unflatten(treedef, [scale(g) if leafwise.is_scaled(g) else g for g in leaves])
 
 
 def _view_length(size: int) -> int:
@@ -126,8 +126,8 @@ def has_nonfinite(grads: Any) -> jax.Array:
     Both forms test ``v - v``: 0 for finite values, NaN for inf/NaN. ``~isfinite(max|g|)`` is not exact
     (XLA:CPU's vectorised float32 ``max`` loses NaNs), and ``any(~isfinite(g))`` writes a bool per element.
     """
-    leaves, _ = _leaves.flatten(grads)
-    work = [g for g in leaves if _leaves.is_scaled(g)]
+    leaves, _ = leafwise.flatten(grads)
+    work = [g for g in leaves if leafwise.is_scaled(g)]
     if not work:
         return jnp.zeros((), jnp.bool_)
     return jax.lax.platform_dependent(work, **CHECK_OF_PLATFORM)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jamp.scaling import exact_mul
 from jamp.scaling.state import ScalerState
-from jamp_kernels import _leaves
+from jamp_kernels import leafwise
 
 _ONE = exact_mul.to_words(1.0)
 _SMALLEST = 1  # the bits of the smallest positive float32, 2**-149
@@ -61,5 +61,5 @@ def next_scale(state: ScalerState, found_inf: jax.Array) -> tuple[jax.Array, jax
     finite = (product & 0x7F800000) != 0x7F800000
     grown = jnp.where(finite, jnp.where(_key(product) > _key(hi), hi, product), scale)
     new_scale = jnp.where(found_inf, backed, jnp.where(grow, grown, scale))
-    new_scale = _leaves.once(jax.lax.bitcast_convert_type(new_scale, jnp.float32))  # read by several outputs
+    new_scale = leafwise.once(jax.lax.bitcast_convert_type(new_scale, jnp.float32))  # read by several outputs
     return new_scale, jnp.where(found_inf | grow, 0, counted)

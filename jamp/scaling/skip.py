@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jamp import _jax_compat as jc
-from jamp_kernels import _leaves
+from jamp_kernels import leafwise
 
 
 def _select(skip: jax.Array, old: Any, new: Any) -> jax.Array:
@@ -71,17 +71,17 @@ def trace(update: Callable, grads: Any, state: Any, params: Any, extra: dict) ->
     return Traced(closed, jax.tree.leaves(args), jax.tree.structure(out_shape), len(jax.tree.leaves(out_shape[0])))
 
 
-def zero_where(skip: jax.Array, x: jax.Array, zeros: _leaves.Spread) -> jax.Array:
+def zero_where(skip: jax.Array, x: jax.Array, zeros: leafwise.Spread) -> jax.Array:
     """``x``, or -0.0 where ``skip`` is True (``p + -0.0`` is ``p``, even ``p = -0.0``); leaves that are not
     floating (the float0 gradients of integer parameters, integer updates) pass as they are."""
     return jax.lax.select(skip, zeros("-0", -0.0, x), x) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
-def _zero_where(skip: jax.Array, updates: list, zeros: _leaves.Spread) -> list:
+def _zero_where(skip: jax.Array, updates: list, zeros: leafwise.Spread) -> list:
     return [zero_where(skip, u, zeros) for u in updates]
 
 
-def select_where_produced(traced: Traced, skip: jax.Array, state: Any, zeros: _leaves.Spread):
+def select_where_produced(traced: Traced, skip: jax.Array, state: Any, zeros: leafwise.Spread):
     """The traced update's ``(updates, state)``, or ``(zeros, state)`` bit for bit where ``skip`` is True;
     each state leaf is selected as soon as it is produced (the module docstring says why)."""
     jaxpr, olds = traced.closed.jaxpr, jax.tree.leaves(state)
@@ -118,7 +118,7 @@ def select_where_produced(traced: Traced, skip: jax.Array, state: Any, zeros: _l
     return jax.tree.unflatten(traced.out_tree, updates + [new_leaf(v, old) for v, old in zip(state_vars, olds)])
 
 
-def select_after(traced: Traced, skip: jax.Array, state: Any, zeros: _leaves.Spread):
+def select_after(traced: Traced, skip: jax.Array, state: Any, zeros: leafwise.Spread):
     """The same result as :func:`select_where_produced`: run the update, then select every state leaf and
     zero the updates. XLA:GPU fuses each select into the kernel that produces the leaf."""
     outs = traced()
@@ -132,7 +132,7 @@ def select_after(traced: Traced, skip: jax.Array, state: Any, zeros: _leaves.Spr
 FORM_OF_PLATFORM = {"cuda": select_after, "default": select_where_produced}
 
 
-def step_or_skip(traced: Traced, skip: jax.Array, state: Any, zeros: _leaves.Spread):
+def step_or_skip(traced: Traced, skip: jax.Array, state: Any, zeros: leafwise.Spread):
     """The traced update's ``(updates, state)``, or ``(zeros, state)`` bit for bit where ``skip`` is True, in
     the form :data:`FORM_OF_PLATFORM` picks for the platform the program is lowered for. The update was traced
     once; each form binds its equations again. ``zeros`` holds the -0.0 arrays the caller already made (one

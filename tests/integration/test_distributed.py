@@ -287,14 +287,13 @@ def test_pmap_clean_step_applies_on_every_replica(eight):
     assert r["clean_agree"] and r["finite"]
 
 
-def test_pmap_without_axis_name_replicas_diverge(eight):
-    """The control: the overflow really is on one replica, which skips alone while the others step. The
-    skipping replica feeds zeros, never inf, to its discarded update, so the pmean inside the optimizer
-    spreads no NaN: the replicas diverge silently, which is why axis_name is needed."""
-    r = section(eight, "pmap_no_axis_name")
-    assert r["found"] == [d == 7 for d in range(8)]
-    assert r["scale"] == [1024.0] * 7 + [512.0]
-    assert not r["agree"] and r["finite"]
+def test_pmap_without_axis_name_is_refused_while_tracing(eight):
+    """Without axis_name the replica that saw the overflow would skip alone while the others applied the update
+    the pmean inside the optimizer averaged: the replicas would diverge in silence (issue 43, point 4a). The
+    optimizer's traced update shows the pmean, so the scaler refuses and names the fix."""
+    said = eight["pmap_no_axis_name"].get("error", "")
+    assert "ValueError: jamp.scaler(axis_name=None): the optimizer it wraps communicates over the axis 'batch'" in said
+    assert said.endswith("Pass jamp.scaler(..., axis_name='batch')")
 
 
 # -- jit + NamedSharding ------------------------------------------------------------------------------

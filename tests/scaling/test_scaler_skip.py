@@ -11,7 +11,7 @@ import pytest
 
 import jamp
 from jamp.scaling import skip
-from jamp_kernels._leaves import Spread
+from jamp_kernels.leafwise import Spread
 
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.arange(4.0)}
 GRADS = {"w": jnp.cos(jnp.arange(12.0)).reshape(3, 4), "b": jnp.ones(4)}

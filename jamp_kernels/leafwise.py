@@ -1,4 +1,5 @@
-"""Leaf rules shared by every backend: which leaves are scaled, in which type, and input validation."""
+"""Leafwise rules shared by every backend: which leaves are scaled, in which type, how one leaf is scaled, and
+input validation. Public to the scaling wing, which reads :class:`Spread` and :func:`once`."""
 
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ from jamp._arguments import checked_bool, checked_transformation
 from jamp.scaling import guards, lint, scale_update, skip, skip_episodes
 from jamp.scaling import state as scaler_state
 from jamp.scaling.state import DisabledScalerState, ScalerState
-from jamp.scaling.transformation import ScalerTransformation
-from jamp_kernels import _leaves
+from jamp.scaling.torch_methods import ScalerTransformation
+from jamp_kernels import leafwise
 
 _BACKENDS = ("auto", "xla", "pallas", "interpret")
 
@@ -227,7 +227,7 @@ def scaler(
         # the unscale into inner's loops; zeroing a skipped step's grads means the computation that is
         # discarded never sees inf/NaN (an SVD of an inf matrix may never return).
         unscaled = jamp_kernels.unscale(grads, jamp_kernels.inverse(state.scale))
-        zeros = _leaves.Spread()  # -0.0 once per shape, shared with the zeroed updates of a skipped step
+        zeros = leafwise.Spread()  # -0.0 once per shape, shared with the zeroed updates of a skipped step
         finite = jax.tree.map(lambda g: skip.zero_where(found_inf, g, zeros), unscaled)
         traced = skip.trace(inner_tx.update, finite, state.inner_state, params, extra)
         guards.refuse_unnamed_collectives(traced.closed.jaxpr, axis_name)
