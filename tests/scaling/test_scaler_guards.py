@@ -127,13 +127,15 @@ def test_an_optimizer_that_averages_over_an_axis_the_scaler_does_not_name_is_ref
     assert multidevice["ensemble"] == [65536.0, 65536.0, 32768.0, 65536.0]  # each model on its own
 
 
-def test_float16_parameters_under_a_rounding_optimizer_are_named_with_the_fix():
-    params = {"w": jnp.ones(4, jnp.float16), "b": jnp.zeros(2, jnp.float32)}
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_parameters_under_a_rounding_optimizer_are_named_with_the_fix(dtype):
+    params = {"w": jnp.ones(4, dtype), "b": jnp.zeros(2, jnp.float32)}
     grads = jax.tree.map(lambda p: jnp.ones_like(p) * 2.0**10, params)
     tx = jamp.scaler(optax.adam(1e-3))
-    with pytest.warns(UserWarning, match=r"grads\['w'\] is float16.*jamp\.kahan_summation") as caught:
+    with pytest.warns(UserWarning, match=rf"grads\['w'\] is {dtype}, and so are the updates.*kahan_summation") as said:
         jax.jit(tx.update)(grads, tx.init(params), params)
-    assert "Attempting to unscale FP16 gradients" in str(caught[0].message)
+    assert "Attempting to unscale FP16 gradients" in str(said[0].message)
+    params = {"w": jnp.ones(4, jnp.float16), "b": jnp.zeros(2, jnp.float32)}
     for fine, p in (
         (jamp.scaler(jamp.kahan_summation(optax.adam(1e-3), state_dtype=jnp.float32)), params),
         (jamp.scaler(jamp.stochastic_rounding(optax.adam(1e-3), seed=0)), params),
