@@ -3,6 +3,8 @@
     python examples/char_lm.py [--steps 300] [--amp fp16|bf16|fp8]
     python examples/char_lm.py --params bf16 --update nearest|kahan|stochastic [--state-dtype float32]
 
+It needs flax: ``pip install -e ".[examples]"``.
+
 A decoder-only transformer (flax linen, the layers stacked with ``nn.scan`` over ``nn.remat`` blocks)
 learns to predict the next byte of a few stdlib modules; text every Python install carries. It trains
 twice from the same initialisation on the same batches: in float32, and under
@@ -141,10 +143,12 @@ def train(
     for i, window in enumerate(data, 1):
         params, opt_state, loss = step(params, opt_state, window)
         losses.append(float(loss))
-        skipped += bool(jamp.found_inf(opt_state))
+        # the scale and skip counts as Python numbers; warns jamp.SkippedStepsWarning if steps keep being skipped
+        summary = jamp.scaler_summary(opt_state)
+        skipped += summary["found_inf"]
         if i % every == 0 or i == len(data):
             print(f"{name:>8}: step {i:4d}/{len(data)}  loss {losses[-1]:.4f}", flush=True)
-    return params, losses, skipped, float(jamp.get_scale(opt_state)), memory
+    return params, losses, skipped, summary["scale"], memory
 
 
 def evaluate(apply: Callable, params: dict, held_out: np.ndarray) -> float:

@@ -1,6 +1,8 @@
 """jamp's precision tools on a transformer block: what ran in which dtype, and where an overflow starts.
 
 python examples/explain.py
+
+It needs flax: ``pip install -e ".[examples]"``.
 """
 
 from __future__ import annotations

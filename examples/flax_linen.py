@@ -1,6 +1,8 @@
 """The Flax linen pattern: autocast ``model.apply``, keep one module in float32 by its path, scale the loss.
 
 python examples/flax_linen.py [--steps 100]
+
+It needs flax: ``pip install -e ".[examples]"``.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ train with ``nnx.Optimizer`` around ``jamp.scaler``. The model is an argument of
 ``nnx.jit``: what a call writes to it (BatchNorm's running statistics, Dropout's RNG count) reaches the model.
 
     python examples/flax_nnx.py [--steps 100]
+
+It needs flax: ``pip install -e ".[examples]"``.
 """
 
 from __future__ import annotations

@@ -41,7 +41,10 @@ def loss_fn(params, x, y):
 
 
 def train(loss, tx, params, inputs, labels):
-    """``STEPS`` full-batch steps of ``loss`` with ``tx``; the losses, the final state and the skipped steps."""
+    """``STEPS`` full-batch steps of ``loss`` with ``tx``; the losses, the final state and the skipped steps.
+
+    The loop reads the loss every step, and the scaler with it: ``jamp.scaler_summary`` gives the scale and the
+    skip counts as Python numbers, and warns (``jamp.SkippedStepsWarning``) if steps keep being skipped."""
     opt_state = tx.init(params)
 
     @jax.jit
@@ -58,7 +61,7 @@ def train(loss, tx, params, inputs, labels):
     for _ in range(STEPS):
         params, opt_state, value = step(params, opt_state)
         losses.append(float(value))
-        skipped += bool(jamp.found_inf(opt_state))
+        skipped += jamp.scaler_summary(opt_state)["found_inf"]  # this step was skipped
     accuracy = float(jnp.mean(jnp.argmax(mlp(params, inputs), -1) == labels))
     return losses, accuracy, opt_state, skipped
 
@@ -87,7 +90,8 @@ def main():
     for i in range(0, STEPS, 10):
         print(f"{i:4d}   {ref_losses[i]:7.4f}   {amp_losses[i]:11.4f}")
     print(f"train accuracy: float32 {ref_acc:.3f}, float16 AMP {amp_acc:.3f}")
-    print(f"loss scale: 65536 -> {float(jamp.get_scale(amp_state)):.0f}, {skipped} of {STEPS} steps skipped")
+    summary = jamp.scaler_summary(amp_state)  # the scale and skip counts, as Python numbers
+    print(f"loss scale: 65536 -> {summary['scale']:.0f}, {skipped} of {STEPS} steps skipped")
     print(
         "A good result: the two loss columns fall together and agree to about three decimals, the accuracies\n"
         "match, and few steps are skipped (a skip is a step whose float16 gradients overflowed at the current\n"

@@ -16,6 +16,7 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jamp.scaling import state as scaler_state
@@ -49,8 +50,15 @@ class SkippedStepsWarning(UserWarning):
     """
 
 
+def _array(x: Any) -> Any:
+    """``x`` as an array: a framework's box of one (an ``nnx.Optimizer``'s state variables) through the
+    ``__jax_array__`` protocol that ``jnp.asarray`` follows; arrays as they are."""
+    return x if isinstance(x, (jax.Array, np.ndarray, np.generic)) else jnp.asarray(x)
+
+
 def is_concrete(x: Any) -> bool:
-    """An array whose values the host can read: a JAX array outside a trace, or a NumPy one."""
+    """An array whose values the host can read: a JAX array outside a trace, or a NumPy one (or a box of one)."""
+    x = _array(x)
     return isinstance(x, (np.ndarray, np.generic)) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
 
 
@@ -59,6 +67,7 @@ _FIELDS = ("scale", "found_inf", "consecutive_skips", "warned", "skip_episodes",
 
 def _values(x: Any) -> np.ndarray:
     """``x`` on the host, flat; of an array spread over processes, the shards this process holds."""
+    x = _array(x)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return np.concatenate([np.ravel(np.asarray(s.data)) for s in x.addressable_shards])
     return np.ravel(np.asarray(x))
@@ -180,7 +189,7 @@ def summary(opt_state: Any, stacklevel: int) -> dict[str, Any]:
     _refuse_traced("jamp.scaler_summary", [(w, s) for w, s in _states_with_paths(opt_state) if s is st])
     warn_if_in_episode(opt_state, st, stacklevel + 1)
     fields = _host(st)
-    one = np.ndim(st.scale) == 0
+    one = np.ndim(_array(st.scale)) == 0
 
     def value(name: str, kind: type) -> Any:
         values = [kind(v) for v in fields[name]]

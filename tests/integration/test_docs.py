@@ -240,7 +240,13 @@ def test_every_marker_in_the_docs_is_known_and_expands():
 
 
 # The examples extra in pyproject.toml, as import name -> distribution.
-EXAMPLES_EXTRA = {"sklearn": "scikit-learn", "matplotlib": "matplotlib", "tqdm": "tqdm", "equinox": "equinox"}
+EXAMPLES_EXTRA = {
+    "sklearn": "scikit-learn",
+    "matplotlib": "matplotlib",
+    "tqdm": "tqdm",
+    "equinox": "equinox",
+    "flax": "flax",
+}
 
 
 def test_readme_lists_every_example_with_the_extra_it_needs():

@@ -375,3 +375,24 @@ def test_the_advice_leads_to_the_op():
     assert jamp.find_overflow(jax.value_and_grad(loss_fn))(params, x) is None  # the CPU's bfloat16 policy
     found = jamp.find_overflow(jax.value_and_grad(loss_fn), device_type="gpu")(params, x)
     assert found is not None and found.primitive == "dot_general"
+
+
+def test_an_nnx_optimizer_s_state_is_read_through_its_variables():
+    """nnx.Optimizer keeps the scaler's state in variables: the reads unwrap them, as get_scale always did."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(3))
+
+    model = Model()
+    optimizer = nnx.Optimizer(model, jamp.scaler(optax.sgd(0.1), warn_after_skips=1), wrt=nnx.Param)
+    optimizer.update(model, jax.tree.map(lambda g: g * jnp.inf, nnx.state(model, nnx.Param)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert float(jamp.get_scale(optimizer.opt_state)) == 32768.0
+        assert jamp.scaler_summary(optimizer.opt_state)["in_episode"] is True
+        jamp.report_skipped_steps(optimizer.opt_state)
+    assert [m[:60] for m in skipped_steps_warnings(caught)] == [
+        "jamp.scaler at opt_state: 1 update(s) in a row were skipped "
+    ] * 3
