@@ -60,12 +60,6 @@ def is_float(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def literal_value(v: Any) -> Any:
-    """A jaxpr literal's value, with a dtype: jaxprs keep a Python bool (``jnp.array(False)``) as it is,
-    and rules, output casts and the tools all ask a value for its dtype."""
-    return v.val if hasattr(v.val, "dtype") else np.asarray(v.val, v.aval.dtype)
-
-
 class Env:
     """Values of one jaxpr evaluation plus the facts rules ask about them."""
 
@@ -75,13 +69,6 @@ class Env:
         self.origin_size: dict[Any, int] = {}  # vars that are broadcasts/reshapes of smaller arrays
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] | None = {} if cache_enabled else None
         self._rounded_from: dict[int, tuple[Any, Any]] = {}  # id(low) -> (low, the float32 value cast to it)
-
-    def read(self, v: Any) -> Any:
-        return literal_value(v) if isinstance(v, jc.Literal) else self.values[v]
-
-    def write(self, vs, vals) -> None:
-        for v, val in zip(vs, vals):
-            self.values[v] = val
 
     def cast(self, x: Any, dtype) -> Any:
         """``cast`` with torch's cast cache: a value cast to a dtype twice is cast once."""

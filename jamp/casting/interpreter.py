@@ -36,21 +36,20 @@ def evaluate(jaxpr: jc.Jaxpr, consts, args, ctx: Context, frame: Frame | None = 
 
     frame = Frame(ctx.recorder) if frame is None else frame
     env = Env(ctx.cache_enabled)
-    env.write(jaxpr.constvars, consts)
-    env.write(jaxpr.invars, args)
-    for eqn in jaxpr.eqns:
+
+    def rebind(eqn, invals: list) -> list:
         comps = regions.components(jc.name_stack_str(eqn))
         eqn_ctx = ctx.descend(comps)
         rule, effective = select_rule(eqn, eqn_ctx)
-        call = Call(eqn, [env.read(v) for v in eqn.invars], eqn_ctx, env, comps, frame=frame)
-        with jc.user_context(eqn), eqn.ctx.manager:
-            outs = rule(call)
+        call = Call(eqn, invals, eqn_ctx, env, comps, frame=frame)
+        outs = rule(call)
         outs = outs if eqn.primitive.multiple_results else [outs]
-        env.write(eqn.outvars, outs)
         track_facts(env, eqn, effective)
         if ctx.recorder is not None:
             ctx.recorder.record(call, effective, outs)
-    return [env.read(v) for v in jaxpr.outvars]
+        return outs
+
+    return jc.evaluate(jaxpr, consts, args, rebind, env.values)
 
 
 def track_facts(env: Env, eqn, effective: str) -> None:
@@ -105,5 +104,5 @@ def run_as_written(fun: Callable, *args, **kwargs) -> Any:
     if not portable_dots.holds_refused(closed.jaxpr):
         return fun(*args, **kwargs)
     portable = trace_jaxpr(closed, tuple(closed.in_avals), _AS_WRITTEN, None)
-    outs = jax.core.eval_jaxpr(portable.jaxpr, portable.consts, *jax.tree.leaves((args, kwargs)))
+    outs = jc.evaluate(portable.jaxpr, portable.consts, jax.tree.leaves((args, kwargs)))
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

@@ -21,7 +21,6 @@ import dataclasses
 from typing import Any
 
 from jamp import _jax_compat as jc
-from jamp.casting.call import literal_value
 
 SCAN, WHILE, COND, SHARD_MAP = "scan", "while", "cond", "shard_map"
 # Scopes whose reports gain a level when they leave: the iteration of a loop, the device of a shard_map.
@@ -92,7 +91,7 @@ class Frame:
         if not self.threads:
             return []
         like = vs if like is None else like
-        return [literal_value(w) if isinstance(w, jc.Literal) else self.shadow[v] for v, w in zip(vs, like)]
+        return [jc.literal_value(w) if isinstance(w, jc.Literal) else self.shadow[v] for v, w in zip(vs, like)]
 
     def write(self, vs, values) -> None:
         if self.threads:

@@ -105,11 +105,7 @@ class Comparison(Observer):
         if ref is None:  # a conversion the float32 trace does not have (jamp.casting.pairing)
             frame.write(eqn.outvars, frame.read(eqn.invars))
         elif not call.whole:
-            with jc.user_context(eqn), eqn.ctx.manager:
-                ref_outs = ref.primitive.bind(
-                    *frame.read(eqn.invars, ref.invars), **ref.primitive.get_bind_params(ref.params)
-                )
-            frame.write(eqn.outvars, ref_outs if eqn.primitive.multiple_results else [ref_outs])
+            frame.write(eqn.outvars, jc.bind(ref, frame.read(eqn.invars, ref.invars)))
         amp_in = call.bound or call.invals
         if _is_copy(eqn, amp_in, outs):
             return

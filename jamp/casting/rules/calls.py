@@ -26,14 +26,14 @@ def _holds_linalg(jaxpr: jc.Jaxpr, policy: Policy) -> bool:
 def jit_body_ctx(call: Call):
     """The jit's name is a path component (region rules match it); a jit that directly holds a
     decomposition (jnp.linalg.solve/inv/pinv...) runs in float32, matmuls around it included."""
-    ctx = call.body_ctx(call.params[jc.JIT_NAME])
-    if ctx.mode != Mode.OFF and _holds_linalg(call.params[jc.JIT_JAXPR].jaxpr, ctx.policy):
+    ctx = call.body_ctx(jc.jit_name(call.eqn))
+    if ctx.mode != Mode.OFF and _holds_linalg(jc.jit_jaxpr(call.eqn).jaxpr, ctx.policy):
         ctx = dataclasses.replace(ctx, mode=Mode.FLOAT32)
     return ctx
 
 
 def jit(call: Call):
-    recorded = lower_precision_calls.recorded_call(call.params[jc.JIT_JAXPR])
+    recorded = lower_precision_calls.recorded_call(jc.jit_jaxpr(call.eqn))
     lowered = None if recorded is None else lower_precision_rule.traced(call, recorded)
     if lowered is not None:  # a jamp.lower_precision call: the function, traced in this region's dtypes
         invals, closed, ctx, float32 = lowered
@@ -42,7 +42,7 @@ def jit(call: Call):
             return call.bind(invals, **{jc.JIT_JAXPR: retrace(closed, avals_of(invals), ctx, None)})
 
         return enter(call, closed, invals, ctx, None, bind_lowered, shadowed=float32)
-    ctx, closed = jit_body_ctx(call), call.params[jc.JIT_JAXPR]
+    ctx, closed = jit_body_ctx(call), jc.jit_jaxpr(call.eqn)
 
     def bind():
         return call.bind(**{jc.JIT_JAXPR: retrace(closed, avals_of(call.invals), ctx, None)})
@@ -51,7 +51,7 @@ def jit(call: Call):
 
 
 def remat(call: Call):
-    jaxpr = call.params[jc.REMAT_JAXPR]
+    jaxpr = jc.remat_jaxpr(call.eqn)
 
     def bind():
         new = retrace_open(jaxpr, avals_of(call.invals), call.body_ctx())

@@ -35,8 +35,8 @@ def _halves(body: Body) -> tuple[list, list]:
 
 def scan(call: Call):
     p = call.params
-    ctx = threading.scoped(call, SCAN, p["length"], reverse=p["reverse"])
-    body = threading.body(call, p[jc.SCAN_JAXPR], ctx, preserving=True)
+    ctx = threading.scoped(call, SCAN, jc.scan_length(call.eqn), reverse=jc.scan_reverse(call.eqn))
+    body = threading.body(call, jc.scan_jaxpr(call.eqn), ctx, preserving=True)
     ops = call.cast_to_recorded()
     if not body.threaded:
         return call.bind(ops, **{jc.SCAN_JAXPR: body.closed})
@@ -59,14 +59,14 @@ def scan(call: Call):
 
 
 def while_loop(call: Call):
-    p = call.params
+    cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts = jc.while_parts(call.eqn)
     ctx = threading.scoped(call, WHILE, None)
-    cond = preserving(p[jc.WHILE_COND], ctx)
-    body = threading.body(call, p[jc.WHILE_BODY], ctx, preserving=True)
+    cond = preserving(cond_jaxpr, ctx)
+    body = threading.body(call, body_jaxpr, ctx, preserving=True)
     ops = call.cast_to_recorded()
     if not body.threaded:
         return call.bind(ops, **{jc.WHILE_COND: cond, jc.WHILE_BODY: body.closed})
-    sizes = (p[jc.WHILE_COND_NCONSTS], p[jc.WHILE_BODY_NCONSTS])
+    sizes = (cond_nconsts, body_nconsts)
     (cc, bc, k), (_, sbc, sk) = split(ops, sizes), split(call.frame.read(call.eqn.invars), sizes)
     (vbc, vk), (hbc, hk) = (split(half, (len(bc),)) for half in _halves(body))
     state = loop_state(body)
@@ -74,7 +74,7 @@ def while_loop(call: Call):
 
     def test(*args):
         cc, k, _ = split(args, (n_cc, n_k))
-        return jax.core.eval_jaxpr(cond.jaxpr, cond.consts, *cc, *k)
+        return jc.evaluate(cond.jaxpr, cond.consts, [*cc, *k])
 
     def looped(*args):
         bc, sbc, k, sk, state = split(args, (n_bc, n_bc, n_k, n_k))
@@ -83,7 +83,7 @@ def while_loop(call: Call):
 
     carry = [*vk, *hk, *avals_of(state)]
     params = {
-        **p,
+        **call.params,
         jc.WHILE_BODY_NCONSTS: 2 * len(bc),
         jc.WHILE_COND: jax.make_jaxpr(test)(*cond.in_avals[: len(cc)], *carry),
         jc.WHILE_BODY: jax.make_jaxpr(looped)(*vbc, *hbc, *carry),
@@ -100,7 +100,7 @@ def _left_loop(call: Call, body: Body, outs: list, shadows: list, state: list) -
 
 
 def cond(call: Call):
-    branches = call.params[jc.COND_BRANCHES]
+    branches = jc.cond_branches(call.eqn)
     bodies = [
         threading.body(call, b, threading.scoped(call, COND, len(branches), index=i), preserving=True)
         for i, b in enumerate(branches)

@@ -9,8 +9,6 @@ level), out of which the caller keeps the device that found something first."""
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -24,18 +22,17 @@ from jamp.casting.rules.threading import first_device, split
 
 
 def shard_map(call: Call):
-    jaxpr = call.params[jc.SHARD_MAP_JAXPR]
+    jaxpr = jc.shard_map_jaxpr(call.eqn)
     out_dtypes = [v.aval.dtype for v in jaxpr.outvars]
     axes = jc.shard_map_manual_axes(call.params)
-    ctx = threading.scoped(call, SHARD_MAP, math.prod(call.params["mesh"].shape[a] for a in axes))
-    params = call.eqn.primitive.get_bind_params(call.params)
-    out_specs, frame = call.params[jc.SHARD_MAP_OUT_SPECS], call.frame
+    ctx = threading.scoped(call, SHARD_MAP, jc.shard_map_devices(call.eqn))
+    out_specs, frame = jc.shard_map_out_specs(call.eqn), call.frame
     if not frame.threads:
 
         def body(*args):
             return cast_outputs(evaluate(jaxpr, (), args, ctx), out_dtypes)
 
-        params["subfuns"] = (jc.shard_map_body(out_specs, body),)
+        params = jc.shard_map_params(call.eqn, jc.shard_map_body(out_specs, body))
         return call.bind_with(call.cast_to_recorded(), params)
 
     observer, n = frame.observer, len(jaxpr.invars)
@@ -52,9 +49,7 @@ def shard_map(call: Call):
     def all_out_specs():
         return (*out_specs, *out_specs, *(PartitionSpec(axes),) * len(sites))
 
-    params["subfuns"] = (jc.shard_map_body(all_out_specs, threaded),)
-    params[jc.SHARD_MAP_IN_SPECS] = (*params[jc.SHARD_MAP_IN_SPECS],) * 2
-    params["debug_info"] = params["debug_info"].with_unknown_names()  # other arguments than the function's
+    params = jc.shard_map_params(call.eqn, jc.shard_map_body(all_out_specs, threaded), len(call.eqn.invars))
     operands = [*call.cast_to_recorded(), *frame.read(call.eqn.invars)]
     outs, shadows, rows = split(list(call.bind_with(operands, params)), (len(out_dtypes),) * 2)
     frame.write(call.eqn.outvars, shadows)

@@ -72,7 +72,7 @@ class Body:
 
     def __call__(self, values: Sequence, shadows: Sequence) -> tuple[list, list, list]:
         """Its (outputs, shadows, reports), inlined into the trace under way."""
-        outs = jax.core.eval_jaxpr(self.closed.jaxpr, self.closed.consts, *values, *shadows)
+        outs = jc.evaluate(self.closed.jaxpr, self.closed.consts, [*values, *shadows])
         return split(outs, (self.n_out, self.n_out))
 
 
@@ -108,7 +108,7 @@ def enter(call: Call, closed: jc.ClosedJaxpr, invals: list, ctx: Context, out_dt
     shadowed = observer.shadowed(closed) if shadowed is None else shadowed()
     if shadowed is not closed and not pair(observer, closed.jaxpr, shadowed.jaxpr):
         outs = evaluate(closed.jaxpr, closed.consts, invals, ctx, frame.child(closed.jaxpr, (), None))
-        frame.write(call.eqn.outvars, jax.core.eval_jaxpr(shadowed.jaxpr, shadowed.consts, *shadows))
+        frame.write(call.eqn.outvars, jc.evaluate(shadowed.jaxpr, shadowed.consts, shadows))
         call.whole = True
         return cast_outputs(outs, out_dtypes)
     inner = frame.child(closed.jaxpr, shadowed.consts, shadows)
