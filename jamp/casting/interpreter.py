@@ -60,13 +60,24 @@ def track_facts(env: Env, eqn, effective: str) -> None:
         env.origin_size[eqn.outvars[0]] = env.size_before_broadcast(eqn.invars[0])
 
 
-def trace_jaxpr(closed: jc.ClosedJaxpr, in_avals: tuple, ctx: Context, out_dtypes: tuple | None) -> jc.ClosedJaxpr:
+def rewrite_jaxpr(closed: jc.ClosedJaxpr, in_avals: tuple, ctx: Context, out_dtypes: tuple | None) -> jc.ClosedJaxpr:
+    """``closed`` evaluated on ``in_avals`` through the interpreter, staged: the rewritten program."""
+
     def run(*args):
         return cast_outputs(evaluate(closed.jaxpr, closed.consts, args, ctx), out_dtypes)
 
-    closed = jax.make_jaxpr(run)(*in_avals)
-    # what the backward pass recomputes (jamp.casting.recompute); an observer sees the program as rewritten
-    return recompute.with_recompute(closed) if ctx.recompute and ctx.recorder is None else closed
+    return jax.make_jaxpr(run)(*in_avals)
+
+
+def recomputes(ctx: Context) -> bool:
+    """Whether a program rewritten in ``ctx`` gets its recompute checkpoints; an observer sees it as rewritten."""
+    return ctx.recompute and ctx.recorder is None
+
+
+def trace_jaxpr(closed: jc.ClosedJaxpr, in_avals: tuple, ctx: Context, out_dtypes: tuple | None) -> jc.ClosedJaxpr:
+    """:func:`rewrite_jaxpr`, with what the backward pass recomputes (:mod:`jamp.casting.recompute`)."""
+    closed = rewrite_jaxpr(closed, in_avals, ctx, out_dtypes)
+    return recompute.with_recompute(closed) if recomputes(ctx) else closed
 
 
 _cached = jc.weakref_lru_cache(trace_jaxpr)

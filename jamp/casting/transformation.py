@@ -20,11 +20,11 @@ import jax
 
 from jamp import _jax_compat as jc
 from jamp._arguments import checked_bool, shown
-from jamp.casting import oplists, replay, signature
+from jamp.casting import oplists, recompute, replay, signature
 from jamp.casting.adapters import nnx_nodes
 from jamp.casting.call import Context
 from jamp.casting.dtypes import is_eligible, parse_dtype
-from jamp.casting.interpreter import trace_jaxpr
+from jamp.casting.interpreter import recomputes, rewrite_jaxpr
 from jamp.casting.policy import Mode, Policy, builtin_policy, default_device_type, get_policy
 from jamp.casting.regions import Region, marker_for
 from jamp.casting.tracing import Tracing, tracing_depth
@@ -35,12 +35,21 @@ _OUTPUT_SCALARS = (bool, int, float, complex)
 
 
 class _Entry:
-    """One traced signature: the rewritten jaxpr, its output tree, and its executable."""
+    """One traced signature: the rewritten jaxpr, its output tree, and its executable.
 
-    def __init__(self, closed: jc.ClosedJaxpr, out_tree):
-        self.closed = closed
+    The executable runs the program as rewritten: a call with arrays is not differentiated, and recompute's
+    checkpoints change nothing in a forward pass. Called with tracers (a ``grad``, or a ``jit`` that may be
+    differentiated later), the program with its checkpoints (``closed``) runs, regrouped the first time."""
+
+    def __init__(self, rewritten: jc.ClosedJaxpr, out_tree, recompute_on: bool):
+        self.rewritten = rewritten
         self.out_tree = out_tree
-        self.executable = jax.jit(jc.jaxpr_as_fun(closed))
+        self._recompute_on = recompute_on
+        self.executable = jax.jit(jc.jaxpr_as_fun(rewritten))
+
+    @functools.cached_property
+    def closed(self) -> jc.ClosedJaxpr:
+        return recompute.with_recompute(self.rewritten) if self._recompute_on else self.rewritten
 
     def run(self, dynamic: list) -> list:
         if any(isinstance(x, jax.core.Tracer) for x in dynamic):
@@ -228,4 +237,4 @@ class Autocast:
             for i, a in enumerate(closed.out_avals)
         )
         ctx = Context(policy, Mode.AUTOCAST, (), self.cache_enabled, recompute=self.recompute, recorder=recorder)
-        return _Entry(trace_jaxpr(closed, tuple(closed.in_avals), ctx, out_dtypes), out_tree)
+        return _Entry(rewrite_jaxpr(closed, tuple(closed.in_avals), ctx, out_dtypes), out_tree, recomputes(ctx))

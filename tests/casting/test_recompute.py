@@ -260,3 +260,17 @@ def test_user_checkpoint_names_reach_the_backward_pass(capsys):
         print_saved_residuals(jax.checkpoint(fn, policy=policy), w, x)
         saved = [line for line in capsys.readouterr().out.splitlines() if "argument" not in line]
         assert len(saved) == 1 and "named 'hidden'" in saved[0], saved
+
+
+def test_a_call_with_arrays_does_not_regroup_the_program(monkeypatch):
+    """Passes over the program per cache miss: a call with arrays traces the function, rewrites it and compiles
+    it (checkpoints change nothing in a forward pass); under ``grad`` the rewritten program is regrouped once
+    instead of compiled, with the same values."""
+    regrouped = []
+    monkeypatch.setattr(recompute, "with_recompute", lambda closed: regrouped.append(closed) or closed)
+    params, x = _inputs()
+    amp = _autocast(_loss())
+    value = amp(params, x)
+    assert regrouped == []
+    grad_value, _ = jax.value_and_grad(amp)(params, x)
+    assert len(regrouped) == 1 and float(grad_value) == float(value)
