@@ -29,10 +29,6 @@ class Context:
     path: tuple[str, ...] = ()
     cache_enabled: bool = True
     recompute: bool = False  # the rewritten bodies recompute in the backward pass (jamp.casting.recompute)
-    # An observer (jamp.explain's Recorder, jamp.find_overflow's comparison; jamp.casting.observation): part of the
-    # key, so an observed trace never hits a cache
-    recorder: Any = None
-    scope: tuple = ()  # the loops, branches and shard_maps around, while an observer watches (observation.Scope)
 
     def descend(self, comps: tuple[str, ...]) -> Context:
         policy, mode = regions.resolve(self.policy, self.mode, self.path, comps)
@@ -108,8 +104,6 @@ class Call:
     comps: tuple[str, ...]
     bound: list | None = None  # the inputs the primitive finally ran on
     widened_to: Any = None  # float32 where bind ran a float16/bfloat16 op on float32 (accumulation; jamp.explain)
-    frame: Any = None  # the observer's frame of this evaluation (jamp.casting.observation.Frame)
-    whole: bool = False  # a higher-order equation run without entering its body: observers see it as one op
 
     @property
     def params(self) -> dict:

@@ -24,7 +24,7 @@ from jamp.casting import oplists, recompute, replay, signature
 from jamp.casting.adapters import nnx_nodes
 from jamp.casting.call import Context
 from jamp.casting.dtypes import is_eligible, parse_dtype
-from jamp.casting.interpreter import recomputes, rewrite_jaxpr
+from jamp.casting.interpreter import Hook, rewrite_jaxpr
 from jamp.casting.policy import Mode, Policy, builtin_policy, default_device_type, get_policy
 from jamp.casting.regions import Region, marker_for
 from jamp.casting.tracing import Tracing, tracing_depth
@@ -174,11 +174,11 @@ class Autocast:
         return out
 
     # -- what the precision tools ask ----------------------------------------------------------------
-    def rewrite(self, *args, recorder: Any = None, **kwargs) -> tuple[jc.ClosedJaxpr, Any]:
-        """The rewritten program for these arguments and its output tree; ``recorder`` (see
-        :mod:`jamp.tools.explanation`) sees every decision of a fresh, uncached rewrite."""
+    def rewrite(self, *args, hook: Hook | None = None, **kwargs) -> tuple[jc.ClosedJaxpr, Any]:
+        """The rewritten program for these arguments and its output tree; ``hook`` (a precision tool's, see
+        :mod:`jamp.tools.observation`) evaluates every equation of a fresh, uncached rewrite."""
         _, _, sig, _ = self._prepare(args, kwargs)
-        entry = self._trace(sig, recorder=recorder)
+        entry = self._trace(sig, hook=hook)
         return entry.closed, entry.out_tree
 
     def call_key(self, *args, **kwargs) -> tuple[Any, list]:
@@ -228,7 +228,7 @@ class Autocast:
                 )
         return out
 
-    def _trace(self, sig: signature.Signature, recorder: Any = None) -> _Entry:
+    def _trace(self, sig: signature.Signature, hook: Hook | None = None) -> _Entry:
         closed, out_tree = self._original(sig)
         policy = self.policy
         n_own = out_tree.children()[0].num_leaves  # the function's own outputs, before the NNX writes
@@ -236,5 +236,7 @@ class Autocast:
             policy.output_dtype if i < n_own and policy.output_dtype is not None and is_eligible(a.dtype) else a.dtype
             for i, a in enumerate(closed.out_avals)
         )
-        ctx = Context(policy, Mode.AUTOCAST, (), self.cache_enabled, recompute=self.recompute, recorder=recorder)
-        return _Entry(rewrite_jaxpr(closed, tuple(closed.in_avals), ctx, out_dtypes), out_tree, recomputes(ctx))
+        ctx = Context(policy, Mode.AUTOCAST, (), self.cache_enabled, recompute=self.recompute)
+        # a tool sees the program as rewritten, without recompute's checkpoints
+        rewritten = rewrite_jaxpr(closed, tuple(closed.in_avals), ctx, out_dtypes, hook)
+        return _Entry(rewritten, out_tree, self.recompute and hook is None)

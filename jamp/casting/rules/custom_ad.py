@@ -8,8 +8,6 @@ custom_vjp preserves its boundary: the primal and fwd bodies see the recorded dt
 them, so the residuals the Python bwd rule receives have the types it was written for; the bwd
 rule itself runs through the interpreter and its outputs are cast back to the dtypes the original
 bwd produces (JAX does not check them, and a bf16 cotangent would leak into jax.grad).
-
-A threading observer enters both primal bodies in place (:func:`jamp.casting.rules.threading.enter`).
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import jax
 from jamp import _jax_compat as jc
 from jamp.casting.call import Call, avals_of, cast_outputs
 from jamp.casting.interpreter import evaluate, retrace
-from jamp.casting.rules.threading import enter
 
 
 def _memoized_thunk(original, build):
@@ -35,10 +32,6 @@ def _memoized_thunk(original, build):
 
 def custom_jvp(call: Call):
     ctx = call.body_ctx()
-    return enter(call, jc.call_jaxpr(call.eqn), call.invals, ctx, None, lambda: _custom_jvp(call, ctx))
-
-
-def _custom_jvp(call: Call, ctx):
     in_avals = avals_of(call.invals)
     new_call = retrace(jc.call_jaxpr(call.eqn), in_avals, ctx, None)
     out_dtypes = tuple(a.dtype for a in new_call.out_avals)
@@ -85,12 +78,7 @@ def _autocast_bwd(original, ctx):
 
 
 def custom_vjp(call: Call):
-    ctx, closed, operands = call.body_ctx(), jc.call_jaxpr(call.eqn), call.cast_to_recorded()
-    out_dtypes = [a.dtype for a in closed.out_avals]
-    return enter(call, closed, operands, ctx, out_dtypes, lambda: _custom_vjp(call, ctx, operands))
-
-
-def _custom_vjp(call: Call, ctx, operands: list):
+    ctx, operands = call.body_ctx(), call.cast_to_recorded()
     fwd_original, bwd = jc.custom_vjp_parts(call.eqn)
 
     def build_fwd(*nonzeros):
