@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import dataclasses
 import shutil
 import subprocess
 from pathlib import Path
@@ -136,3 +137,20 @@ def test_jax_internals_are_read_only_in_jax_compat():
         for read in _internal_reads(path)
     ]
     assert not found, "JAX internals read outside jamp/_jax_compat:\n" + "\n".join(found)
+
+
+def test_autocast_holds_no_tool_state():
+    """One path per rule: autocast's context (its caches' key) and rules carry nothing of the precision tools,
+    which hook the interpreter's loop from jamp/tools (docs/how-it-works.md)."""
+    from jamp.casting.call import Call, Context
+
+    assert {f.name for f in dataclasses.fields(Context)} == {"policy", "mode", "path", "cache_enabled", "recompute"}
+    assert not {f.name for f in dataclasses.fields(Call)} & {"frame", "whole"}
+    words = ("observer", "shadow", "recorder", "frame.")
+    found = [
+        f"{path.relative_to(ROOT)}: {word}"
+        for path in sorted((ROOT / "jamp" / "casting").rglob("*.py"))
+        for word in words
+        if word in path.read_text()
+    ]
+    assert not found, "tool state in autocast:\n" + "\n".join(found)
