@@ -119,17 +119,21 @@ def body(frame: Frame, closed: jc.ClosedJaxpr, ctx: Context, scope: tuple, *, th
 
 
 def enter(frame: Frame, call: Call, closed: jc.ClosedJaxpr, invals: list, ctx: Context, out_dtypes, shadowed=None):
-    """(a call's value, whether the observer sees it whole): its body evaluated here, beside its shadows, which
-    run ``shadowed()`` (a float32 trace of the same code; default: the body). Shadows that cannot follow the body
+    """(a call's value, whether the observer sees it whole): its body evaluated here, beside its shadows (for a
+    threading observer), which run ``shadowed()`` (a float32 trace of the same code; default: the body). Shadows that cannot follow the body
     op by op (``shadowed()`` has other equations) run it whole, and the observer sees the call as one op."""
     observer, call.bound = frame.observer, invals  # what the body ran on
+    if not frame.threads:
+        return cast_outputs(
+            observed(closed.jaxpr, closed.consts, invals, ctx, frame.child(closed.jaxpr, (), None)), out_dtypes
+        ), False
     shadows = frame.read(call.eqn.invars)
     shadowed = observer.shadowed(closed) if shadowed is None else shadowed()
-    if frame.threads and shadowed is not closed and not pair(observer, closed.jaxpr, shadowed.jaxpr):
+    if shadowed is not closed and not pair(observer, closed.jaxpr, shadowed.jaxpr):
         outs = observed(closed.jaxpr, closed.consts, invals, ctx, frame.child(closed.jaxpr, (), None))
         frame.write(call.eqn.outvars, jc.evaluate(shadowed.jaxpr, shadowed.consts, shadows))
         return cast_outputs(outs, out_dtypes), True
-    inner = frame.child(closed.jaxpr, shadowed.consts, shadows if frame.threads else None)
+    inner = frame.child(closed.jaxpr, shadowed.consts, shadows)
     outs = observed(closed.jaxpr, closed.consts, invals, ctx, inner)
     frame.write(call.eqn.outvars, inner.read(closed.jaxpr.outvars, shadowed.jaxpr.outvars))
     return cast_outputs(outs, out_dtypes), False
