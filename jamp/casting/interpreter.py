@@ -26,12 +26,12 @@ _BROADCAST_LIKE = ("broadcast_in_dim", "reshape", "convert_element_type")
 _REARRANGING = ("reshape", "squeeze", "expand_dims", "transpose")
 
 
-# A per-equation hook (the precision tools, :mod:`jamp.tools.observation`): ``hook(call, rule, effective)`` evaluates
+# A precision tool's per-equation hook (:mod:`jamp.tools.bodies`): ``hook(call, rule, effective)`` evaluates
 # the equation instead of ``rule(call)`` and returns its outputs as a list.
-Hook = Callable[[Call, Callable, str], list]
+ToolHook = Callable[[Call, Callable, str], list]
 
 
-def evaluate(jaxpr: jc.Jaxpr, consts, args, ctx: Context, hook: Hook | None = None) -> list:
+def evaluate(jaxpr: jc.Jaxpr, consts, args, ctx: Context, hook: ToolHook | None = None) -> list:
     """The outputs of ``jaxpr`` on ``args``, every equation bound under its rule (or handed to ``hook``)."""
     from jamp.casting.rules import (
         select_rule,  # the higher-order rules import this module
@@ -64,7 +64,7 @@ def track_facts(env: Env, eqn, effective: str) -> None:
 
 
 def rewrite_jaxpr(
-    closed: jc.ClosedJaxpr, in_avals: tuple, ctx: Context, out_dtypes: tuple | None, hook: Hook | None = None
+    closed: jc.ClosedJaxpr, in_avals: tuple, ctx: Context, out_dtypes: tuple | None, hook: ToolHook | None = None
 ) -> jc.ClosedJaxpr:
     """``closed`` evaluated on ``in_avals`` through the interpreter, staged: the rewritten program."""
 

@@ -24,7 +24,7 @@ from jamp.casting import oplists, recompute, replay, signature
 from jamp.casting.adapters import nnx_nodes
 from jamp.casting.call import Context
 from jamp.casting.dtypes import is_eligible, parse_dtype
-from jamp.casting.interpreter import Hook, rewrite_jaxpr
+from jamp.casting.interpreter import ToolHook, rewrite_jaxpr
 from jamp.casting.policy import Mode, Policy, builtin_policy, default_device_type, get_policy
 from jamp.casting.regions import Region, marker_for
 from jamp.casting.tracing import Tracing, tracing_depth
@@ -174,7 +174,7 @@ class Autocast:
         return out
 
     # -- what the precision tools ask ----------------------------------------------------------------
-    def rewrite(self, *args, hook: Hook | None = None, **kwargs) -> tuple[jc.ClosedJaxpr, Any]:
+    def rewrite(self, *args, hook: ToolHook | None = None, **kwargs) -> tuple[jc.ClosedJaxpr, Any]:
         """The rewritten program for these arguments and its output tree; ``hook`` (a precision tool's, see
         :mod:`jamp.tools.observation`) evaluates every equation of a fresh, uncached rewrite."""
         _, _, sig, _ = self._prepare(args, kwargs)
@@ -228,7 +228,7 @@ class Autocast:
                 )
         return out
 
-    def _trace(self, sig: signature.Signature, hook: Hook | None = None) -> _Entry:
+    def _trace(self, sig: signature.Signature, hook: ToolHook | None = None) -> _Entry:
         closed, out_tree = self._original(sig)
         policy = self.policy
         n_own = out_tree.children()[0].num_leaves  # the function's own outputs, before the NNX writes
