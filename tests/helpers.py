@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -49,3 +50,33 @@ def run_subprocess(code: str, *, devices: int = 8, env: dict | None = None, time
     )
     assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
+
+
+def lower_for_cuda(fn, *args):
+    """``jax.jit(fn)`` lowered for CUDA from any host (Pallas GPU kernels are checked this way on CPUs).
+
+    Since jax 0.11 the Triton lowering asks which GPU it targets and fails on a host without one; there
+    the host's device kind is registered as an H100 (sm_90, what jax 0.10 assumes) for the lowering only
+    (a patch of JAX's Pallas GPU registry that the tests make, never jamp).
+    """
+    traced = jax.jit(fn).trace(*args)
+    with _host_as_h100():
+        return traced.lower(lowering_platforms=("cuda",))
+
+
+@contextlib.contextmanager
+def _host_as_h100():
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:  # jax 0.10: the lowering falls back to sm_90 by itself
+        yield
+        return
+    kind = jax.devices()[0].device_kind
+    if jax.default_backend() == "gpu" or kind in gpu_info.registry:
+        yield
+        return
+    gpu_info.registry[kind] = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    try:
+        yield
+    finally:
+        del gpu_info.registry[kind]

@@ -9,22 +9,24 @@ primitive and parameter when a new release moves something read here.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 
 import jax
 import numpy as np
 from jax._src import config as jax_config
-from jax._src import source_info_util, xla_bridge
+from jax._src import xla_bridge
 from jax._src.interpreters import batching
 from jax._src.interpreters import partial_eval as pe
 from jax._src.util import weakref_lru_cache
 from jax.extend import core as jcore
 from jax.extend import linear_util as lu
 
+from jamp._jax_compat.equations import *  # noqa: F403 (the one evaluation loop, re-exported)
 from jamp._jax_compat.loops import *  # noqa: F403 (scan, while and shard_map parameters, re-exported)
-from jamp._jax_compat.scopes import common_scopes, scoped_context  # noqa: F401 (re-exported)
+from jamp._jax_compat.primitives import *  # noqa: F403 (the higher-order primitives and their parameters)
+from jamp._jax_compat.scopes import *  # noqa: F403 (source information, name stacks)
+from jamp._jax_compat.scopes import transposed
 
 try:  # jax >= 0.11: FlatTree moved to its own module, with a module-level flatten
     from jax._src.flattree import flatten as _flat_tree
@@ -41,56 +43,6 @@ jaxpr_as_fun = jcore.jaxpr_as_fun
 jaxprs_in_params = jcore.jaxprs_in_params
 wrap_init = lu.wrap_init
 convert_constvars_jaxpr = pe.convert_constvars_jaxpr
-
-# Primitive names (``eqn.primitive.name``) of the higher-order primitives jamp rewrites.
-JIT = "jit"
-CLOSED_CALL = "closed_call"
-REMAT = "remat2"
-SCAN = "scan"
-WHILE = "while"
-COND = "cond"
-CUSTOM_JVP = "custom_jvp_call"
-CUSTOM_VJP = "custom_vjp_call"
-SHARD_MAP = "shard_map"
-
-# Parameter names of those primitives (unchanged from jax 0.10.2 through 0.12.x).
-JIT_JAXPR = "jaxpr"  # ClosedJaxpr
-JIT_NAME = "name"
-CALL_JAXPR = "call_jaxpr"  # closed_call, custom_jvp_call, custom_vjp_call: ClosedJaxpr
-REMAT_JAXPR = "jaxpr"  # open Jaxpr, no consts
-SCAN_JAXPR = "jaxpr"  # ClosedJaxpr
-WHILE_COND = "cond_jaxpr"  # ClosedJaxpr
-WHILE_BODY = "body_jaxpr"  # ClosedJaxpr
-COND_BRANCHES = "branches"  # tuple[ClosedJaxpr]
-JVP_THUNK = "jvp_jaxpr_fun"  # WrappedFun: (*zeros) -> (Jaxpr, consts, out_zeros)
-NUM_CONSTS = "num_consts"
-FWD_THUNK = "fwd_jaxpr_thunk"  # WrappedFun: (*nonzeros) -> (Jaxpr, consts)
-BWD = "bwd"  # WrappedFun: python bwd rule, flat
-SHARD_MAP_JAXPR = "jaxpr"  # open Jaxpr with per-shard avals
-SHARD_MAP_OUT_SPECS = "out_specs"
-
-
-def user_context(eqn):
-    """The source-info context ``jax.core.eval_jaxpr`` binds each equation under."""
-    return source_info_util.user_context(
-        eqn.source_info.traceback,
-        name_stack=source_info_util.current_name_stack() + eqn.source_info.name_stack,
-    )
-
-
-def name_stack_str(eqn) -> str:
-    return str(eqn.source_info.name_stack)
-
-
-def hide_from_source_info(path: str) -> None:
-    """Equations traced from the file ``path`` point to their caller's line, as JAX's own do (``jamp.explain``'s
-    source column, the locations in lowered programs)."""
-    source_info_util.register_exclusion(path)
-
-
-def current_name_stack() -> str:
-    """The name scopes entered at this point of a trace ('outer/inner'), as ``name_stack_str`` spells them."""
-    return str(source_info_util.current_name_stack())
 
 
 def _autocast_tracing_state():
@@ -112,12 +64,6 @@ _AUTOCAST_TRACING = _autocast_tracing_state()
 def autocast_tracing():
     """A context manager that sets the state above for the trace it encloses."""
     return _AUTOCAST_TRACING(True)
-
-
-def source_location(eqn) -> str:
-    """'file.py:12 (fn)' of the user code that created ``eqn``, or '' when unknown."""
-    frame = source_info_util.user_frame(eqn.source_info.traceback)
-    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})" if frame else ""
 
 
 # ``jax.jit(..., inline=...)`` that inlines the call into the enclosing jaxpr while tracing: jax >= 0.11 names
@@ -168,13 +114,6 @@ def producer_inputs(eqn) -> list:
     return list(eqn.in_tracers)
 
 
-def _transposed(eqn) -> bool:
-    return any(
-        isinstance(t, source_info_util.Transform) and t.name == "transpose"
-        for t in getattr(eqn.source_info.name_stack, "stack", ())
-    )
-
-
 def made_by_backward_pass(eqn, budget: int = 10_000) -> bool:
     """Whether reverse-mode differentiation (``jax.grad``/``vjp``: a transpose) emitted ``eqn``, or, up to ``budget``
     equations, one inside the jaxprs of its parameters (a nested ``jit``, a ``scan`` that accumulates gradients)."""
@@ -182,7 +121,7 @@ def made_by_backward_pass(eqn, budget: int = 10_000) -> bool:
     while pending and budget > 0:
         e = pending.pop()
         budget -= 1
-        if _transposed(e):
+        if transposed(e):
             return True
         for inner in jaxprs_in_params(e.params):
             pending.extend(inner.eqns)
@@ -231,35 +170,6 @@ def cudnn_version() -> int | None:
 
     versions = fused_attention_stablehlo.cuda_versions
     return None if versions is None else versions.cudnn_get_version()
-
-
-def lower_for_cuda(fn, *args):
-    """``jax.jit(fn)`` lowered for CUDA from any host (Pallas GPU kernels are checked this way on CPUs).
-
-    Since jax 0.11 the Triton lowering asks which GPU it targets and fails on a host without one; there
-    the host's device kind is registered as an H100 (sm_90, what jax 0.10 assumes) for the lowering.
-    """
-    traced = jax.jit(fn).trace(*args)
-    with _host_as_h100():
-        return traced.lower(lowering_platforms=("cuda",))
-
-
-@contextlib.contextmanager
-def _host_as_h100():
-    try:
-        from jax._src.pallas.triton import gpu_info
-    except ImportError:  # jax 0.10: the lowering falls back to sm_90 by itself
-        yield
-        return
-    kind = jax.devices()[0].device_kind
-    if jax.default_backend() == "gpu" or kind in gpu_info.registry:
-        yield
-        return
-    gpu_info.registry[kind] = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-    try:
-        yield
-    finally:
-        del gpu_info.registry[kind]
 
 
 # -- dot algorithms (``precision=lax.DotAlgorithmPreset.F16_F16_F32``) -----------------------------------
@@ -317,9 +227,7 @@ __all__ = [
     "autocast_tracing",
     "convert_constvars_jaxpr",
     "cudnn_version",
-    "current_name_stack",
     "dot_algorithm",
-    "hide_from_source_info",
     "is_differentiated",
     "is_symbolic_zero",
     "jaxpr_as_fun",
@@ -327,16 +235,12 @@ __all__ = [
     "jaxprs_in_params",
     "jit_body",
     "join_bwd_result",
-    "lower_for_cuda",
     "made_by_backward_pass",
-    "name_stack_str",
     "platforms_refusing",
     "producer",
     "producer_inputs",
     "shard_map_body",
-    "source_location",
     "split_bwd_result",
-    "user_context",
     "weakref_lru_cache",
     "wrap_init",
 ]

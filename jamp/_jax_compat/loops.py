@@ -1,5 +1,5 @@
 """The parameters of scan, while and shard_map equations that jamp binds with more operands than they were
-recorded with (the tools' shadows and reports, :mod:`jamp.casting.rules.threading`): part of
+recorded with (the tools' shadows and reports, :mod:`jamp.tools.entering`): part of
 :mod:`jamp._jax_compat`, which re-exports every name here; chosen by feature detection as there."""
 
 from __future__ import annotations

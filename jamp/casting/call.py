@@ -29,10 +29,6 @@ class Context:
     path: tuple[str, ...] = ()
     cache_enabled: bool = True
     recompute: bool = False  # the rewritten bodies recompute in the backward pass (jamp.casting.recompute)
-    # An observer (jamp.explain's Recorder, jamp.find_overflow's comparison; jamp.casting.observation): part of the
-    # key, so an observed trace never hits a cache
-    recorder: Any = None
-    scope: tuple = ()  # the loops, branches and shard_maps around, while an observer watches (observation.Scope)
 
     def descend(self, comps: tuple[str, ...]) -> Context:
         policy, mode = regions.resolve(self.policy, self.mode, self.path, comps)
@@ -60,12 +56,6 @@ def is_float(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def literal_value(v: Any) -> Any:
-    """A jaxpr literal's value, with a dtype: jaxprs keep a Python bool (``jnp.array(False)``) as it is,
-    and rules, output casts and the tools all ask a value for its dtype."""
-    return v.val if hasattr(v.val, "dtype") else np.asarray(v.val, v.aval.dtype)
-
-
 class Env:
     """Values of one jaxpr evaluation plus the facts rules ask about them."""
 
@@ -75,13 +65,6 @@ class Env:
         self.origin_size: dict[Any, int] = {}  # vars that are broadcasts/reshapes of smaller arrays
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] | None = {} if cache_enabled else None
         self._rounded_from: dict[int, tuple[Any, Any]] = {}  # id(low) -> (low, the float32 value cast to it)
-
-    def read(self, v: Any) -> Any:
-        return literal_value(v) if isinstance(v, jc.Literal) else self.values[v]
-
-    def write(self, vs, vals) -> None:
-        for v, val in zip(vs, vals):
-            self.values[v] = val
 
     def cast(self, x: Any, dtype) -> Any:
         """``cast`` with torch's cast cache: a value cast to a dtype twice is cast once."""
@@ -121,8 +104,6 @@ class Call:
     comps: tuple[str, ...]
     bound: list | None = None  # the inputs the primitive finally ran on
     widened_to: Any = None  # float32 where bind ran a float16/bfloat16 op on float32 (accumulation; jamp.explain)
-    frame: Any = None  # the observer's frame of this evaluation (jamp.casting.observation.Frame)
-    whole: bool = False  # a higher-order equation run without entering its body: observers see it as one op
 
     @property
     def params(self) -> dict:

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from jamp import _jax_compat as jc
 from jamp.casting import portable_dots, recompute, regions
 from jamp.casting.call import MATMUL_LIKE, Call, Context, Env, cast_outputs
-from jamp.casting.observation import Frame
 from jamp.casting.policy import Mode, Policy
 
 # Equations whose output keeps the "size before broadcast" of their input (bias detection).
@@ -27,30 +26,33 @@ _BROADCAST_LIKE = ("broadcast_in_dim", "reshape", "convert_element_type")
 _REARRANGING = ("reshape", "squeeze", "expand_dims", "transpose")
 
 
-def evaluate(jaxpr: jc.Jaxpr, consts, args, ctx: Context, frame: Frame | None = None) -> list:
-    """The outputs of ``jaxpr`` on ``args``, every equation bound under its rule; an observer in ``ctx``
-    records each, in ``frame`` (a fresh one without shadows by default: :mod:`jamp.casting.observation`)."""
+# A precision tool's per-equation hook (:mod:`jamp.tools.bodies`): ``hook(call, rule, effective)`` evaluates
+# the equation instead of ``rule(call)`` and returns its outputs as a list.
+ToolHook = Callable[[Call, Callable, str], list]
+
+
+def evaluate(jaxpr: jc.Jaxpr, consts, args, ctx: Context, hook: ToolHook | None = None) -> list:
+    """The outputs of ``jaxpr`` on ``args``, every equation bound under its rule (or handed to ``hook``)."""
     from jamp.casting.rules import (
         select_rule,  # the higher-order rules import this module
     )
 
-    frame = Frame(ctx.recorder) if frame is None else frame
     env = Env(ctx.cache_enabled)
-    env.write(jaxpr.constvars, consts)
-    env.write(jaxpr.invars, args)
-    for eqn in jaxpr.eqns:
+
+    def rebind(eqn, invals: list) -> list:
         comps = regions.components(jc.name_stack_str(eqn))
         eqn_ctx = ctx.descend(comps)
         rule, effective = select_rule(eqn, eqn_ctx)
-        call = Call(eqn, [env.read(v) for v in eqn.invars], eqn_ctx, env, comps, frame=frame)
-        with jc.user_context(eqn), eqn.ctx.manager:
+        call = Call(eqn, invals, eqn_ctx, env, comps)
+        if hook is None:
             outs = rule(call)
-        outs = outs if eqn.primitive.multiple_results else [outs]
-        env.write(eqn.outvars, outs)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        else:
+            outs = hook(call, rule, effective)
         track_facts(env, eqn, effective)
-        if ctx.recorder is not None:
-            ctx.recorder.record(call, effective, outs)
-    return [env.read(v) for v in jaxpr.outvars]
+        return outs
+
+    return jc.evaluate(jaxpr, consts, args, rebind, env.values)
 
 
 def track_facts(env: Env, eqn, effective: str) -> None:
@@ -61,13 +63,21 @@ def track_facts(env: Env, eqn, effective: str) -> None:
         env.origin_size[eqn.outvars[0]] = env.size_before_broadcast(eqn.invars[0])
 
 
-def trace_jaxpr(closed: jc.ClosedJaxpr, in_avals: tuple, ctx: Context, out_dtypes: tuple | None) -> jc.ClosedJaxpr:
-    def run(*args):
-        return cast_outputs(evaluate(closed.jaxpr, closed.consts, args, ctx), out_dtypes)
+def rewrite_jaxpr(
+    closed: jc.ClosedJaxpr, in_avals: tuple, ctx: Context, out_dtypes: tuple | None, hook: ToolHook | None = None
+) -> jc.ClosedJaxpr:
+    """``closed`` evaluated on ``in_avals`` through the interpreter, staged: the rewritten program."""
 
-    closed = jax.make_jaxpr(run)(*in_avals)
-    # what the backward pass recomputes (jamp.casting.recompute); an observer sees the program as rewritten
-    return recompute.with_recompute(closed) if ctx.recompute and ctx.recorder is None else closed
+    def run(*args):
+        return cast_outputs(evaluate(closed.jaxpr, closed.consts, args, ctx, hook), out_dtypes)
+
+    return jax.make_jaxpr(run)(*in_avals)
+
+
+def trace_jaxpr(closed: jc.ClosedJaxpr, in_avals: tuple, ctx: Context, out_dtypes: tuple | None) -> jc.ClosedJaxpr:
+    """:func:`rewrite_jaxpr`, with what the backward pass recomputes (:mod:`jamp.casting.recompute`)."""
+    closed = rewrite_jaxpr(closed, in_avals, ctx, out_dtypes)
+    return recompute.with_recompute(closed) if ctx.recompute else closed
 
 
 _cached = jc.weakref_lru_cache(trace_jaxpr)
@@ -75,21 +85,15 @@ _cached = jc.weakref_lru_cache(trace_jaxpr)
 
 def retrace(closed: jc.ClosedJaxpr, in_avals: tuple, ctx: Context, out_dtypes: tuple | None) -> jc.ClosedJaxpr:
     """``closed`` re-traced through the interpreter; ``out_dtypes`` pins the output dtypes (boundary-preserving
-    rules) or ``None`` lets them follow the rules (dtype-propagating rules). Cached, except where an observer
-    watches: it sees every body it meets, a second call of one included."""
-    return (_cached if ctx.recorder is None else trace_jaxpr)(closed, in_avals, ctx, out_dtypes)
+    rules) or ``None`` lets them follow the rules (dtype-propagating rules). Cached on the body, the input types
+    and the context: repeated traces reuse one jaxpr object and never recompile."""
+    return _cached(closed, in_avals, ctx, out_dtypes)
 
 
-def _trace_open(jaxpr: jc.Jaxpr, in_avals: tuple, ctx: Context) -> jc.ClosedJaxpr:
-    return trace_jaxpr(jc.ClosedJaxpr(jaxpr, ()), in_avals, ctx, None)
-
-
-_cached_open = jc.weakref_lru_cache(_trace_open)
-
-
+@jc.weakref_lru_cache
 def retrace_open(jaxpr: jc.Jaxpr, in_avals: tuple, ctx: Context) -> jc.ClosedJaxpr:
     """:func:`retrace` for an open jaxpr (remat's body)."""
-    return (_cached_open if ctx.recorder is None else _trace_open)(jaxpr, in_avals, ctx)
+    return trace_jaxpr(jc.ClosedJaxpr(jaxpr, ()), in_avals, ctx, None)
 
 
 # Every equation bound as the program recorded it (region mode ``off``; a policy without region rules, so
@@ -105,5 +109,5 @@ def run_as_written(fun: Callable, *args, **kwargs) -> Any:
     if not portable_dots.holds_refused(closed.jaxpr):
         return fun(*args, **kwargs)
     portable = trace_jaxpr(closed, tuple(closed.in_avals), _AS_WRITTEN, None)
-    outs = jax.core.eval_jaxpr(portable.jaxpr, portable.consts, *jax.tree.leaves((args, kwargs)))
+    outs = jc.evaluate(portable.jaxpr, portable.consts, jax.tree.leaves((args, kwargs)))
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

@@ -26,7 +26,6 @@ import jax
 import numpy as np
 
 from jamp import _jax_compat as jc
-from jamp.casting.call import literal_value
 from jamp.casting.dtypes import FLOAT32, is_low
 
 # First-order primitives cheap to run again in the backward pass: elementwise ops, reductions, broadcasts.
@@ -46,19 +45,11 @@ _LINEAR = frozenset(
     """.split()
 )
 _MATMULS = ("dot_general", "conv_general_dilated")
+# ``jax.ad_checkpoint.checkpoint_name``'s primitive: a value the user named for a remat policy. Its readers stay out
+# of islands, so that the value reaches the backward pass as the name's output (JAX's residual printer and an
+# outer ``save_only_these_names`` policy see the user's name, not a checkpoint's output).
+_CHECKPOINT_NAME = "name"
 _checkpoint = functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
-
-
-def _body(eqn) -> jc.Jaxpr | None:
-    """The body of a call that an island may hold whole (a jit, a custom_jvp function, a checkpoint)."""
-    name = eqn.primitive.name
-    if name == jc.JIT:
-        return eqn.params[jc.JIT_JAXPR].jaxpr
-    if name == jc.CUSTOM_JVP:
-        return eqn.params[jc.CALL_JAXPR].jaxpr
-    if name == jc.REMAT:
-        return eqn.params[jc.REMAT_JAXPR]
-    return None
 
 
 @jc.weakref_lru_cache
@@ -69,12 +60,12 @@ def _all_cheap(jaxpr: jc.Jaxpr) -> bool:
 def _is_cheap(eqn) -> bool:
     if eqn.primitive.name in CHEAP:
         return True
-    body = _body(eqn)
+    body = jc.call_body(eqn)
     return body is not None and _all_cheap(body)
 
 
 def _is_nonlinear(eqn) -> bool:
-    body = _body(eqn)
+    body = jc.call_body(eqn)
     if body is not None:
         return any(_is_nonlinear(e) for e in body.eqns)
     name, literal = eqn.primitive.name, [isinstance(v, jc.Literal) for v in eqn.invars]
@@ -112,7 +103,13 @@ def islands(jaxpr: jc.Jaxpr, inputs: set) -> list[list[int]]:
             i = parent[i]
         return i
 
-    cheap = [_is_cheap(e) and not _cast_of_input(e, inputs) for e in jaxpr.eqns]
+    named = {v for e in jaxpr.eqns if e.primitive.name == _CHECKPOINT_NAME for v in e.outvars}
+    cheap = [
+        _is_cheap(e)
+        and not _cast_of_input(e, inputs)
+        and not any(isinstance(v, jc.Var) and v in named for v in e.invars)
+        for e in jaxpr.eqns
+    ]
     for i, eqn in enumerate(jaxpr.eqns):
         preds = [producer[v] for v in eqn.invars if isinstance(v, jc.Var) and v in producer]
         stage.append(max((stage[p] + (not cheap[p]) for p in preds), default=0))
@@ -139,10 +136,10 @@ class _Group:
         index = {v: i for i, v in enumerate(self.ins)}
         items = []
         for e in self.eqns:
-            refs = tuple(index[v] if isinstance(v, jc.Var) else _literal_key(v.val) for v in e.invars)
+            refs = tuple(index[v] if isinstance(v, jc.Var) else _literal_key(jc.literal_value(v)) for v in e.invars)
             index.update((v, len(index)) for v in e.outvars)
-            scopes = e.source_info.name_stack.stack[self.scopes :]
-            items.append((e.primitive, tuple(sorted(e.params.items())), refs, scopes))
+            where = (jc.scopes(e, self.scopes), jc.source_lines(e))  # a group binds its own equations' sources
+            items.append((e.primitive, tuple(sorted(e.params.items())), refs, where))
         key = (tuple(v.aval for v in self.ins), tuple(items), tuple(index[v] for v in self.outs))
         try:
             hash(key)
@@ -152,9 +149,8 @@ class _Group:
 
     def __call__(self, *args) -> list:
         env = dict(zip(self.ins, args))
-        for eqn in self.eqns:
-            env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars], self.scopes)))
-        return [_read(env, v) for v in self.outs]
+        jc.run(self.eqns, env, scopes=self.scopes)
+        return [jc.read(env, v) for v in self.outs]
 
 
 def _literal_key(value) -> tuple:
@@ -178,17 +174,6 @@ def _shared(group: _Group) -> _Group:
     if not first:
         first.append(group)
     return first[0]
-
-
-def _read(env: dict, v):
-    return literal_value(v) if isinstance(v, jc.Literal) else env[v]
-
-
-def _bind(eqn, invals: list, scopes: int = 0) -> list:
-    """``eqn`` bound on ``invals``, inside its name scopes after the first ``scopes`` (entered by its call)."""
-    with jc.scoped_context(eqn, scopes), eqn.ctx.manager:
-        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    return outs if eqn.primitive.multiple_results else [outs]
 
 
 def _groups(jaxpr: jc.Jaxpr) -> tuple[list[list[int]], dict]:
@@ -290,13 +275,12 @@ def with_recompute(closed: jc.ClosedJaxpr) -> jc.ClosedJaxpr:
             if (kind, k) in unread:
                 continue
             if kind == "eqn":
-                eqn = jaxpr.eqns[k]
-                env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
+                jc.run([jaxpr.eqns[k]], env)
             else:
                 group = groups[k]
                 with jc.scoped_context(group.eqns[0], 0, group.scopes):
-                    outs = _checkpoint(_shared(group))(*[_read(env, v) for v in group.ins])
+                    outs = _checkpoint(_shared(group))(*[jc.read(env, v) for v in group.ins])
                 env.update(zip(group.outs, outs))
-        return [_read(env, v) for v in jaxpr.outvars]
+        return [jc.read(env, v) for v in jaxpr.outvars]
 
     return jax.make_jaxpr(run)(*closed.in_avals)

@@ -32,7 +32,7 @@ _CACHE_SIZE = 8192  # distinct ops kept compiled into one-op jits (a 48-layer tr
 def run(closed: jc.ClosedJaxpr, args: list) -> list:
     """``closed`` evaluated on ``args`` (tracers of an outer transformation); literal outputs as arrays."""
     if not any(jc.is_differentiated(x) for x in args):
-        outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+        outs = jc.evaluate(closed.jaxpr, closed.consts, args)
     else:
         outs = _replay(closed, args)
     # a literal output comes back as the jaxpr holds it (a Python bool, a NumPy scalar): an array, as the
@@ -41,23 +41,15 @@ def run(closed: jc.ClosedJaxpr, args: list) -> list:
 
 
 def _replay(closed: jc.ClosedJaxpr, args: list) -> list:
-    jaxpr = closed.jaxpr
-    env: dict = dict(zip(jaxpr.constvars, closed.consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn, op in zip(jaxpr.eqns, _plan(closed)):
-        with jc.user_context(eqn), eqn.ctx.manager:
-            if op is None:
-                outs = eqn.primitive.bind(
-                    *[_read(env, v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params)
-                )
-            else:
-                outs = op(*[env[v] for v in eqn.invars if not isinstance(v, jc.Literal)])
-        env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results or op is not None else [outs]))
-    return [_read(env, v) for v in jaxpr.outvars]
+    ops = iter(_plan(closed))
 
+    def rebind(eqn, invals: list) -> list:
+        op = next(ops)
+        if op is None:
+            return jc.bind(eqn, invals)
+        return op(*[x for v, x in zip(eqn.invars, invals) if not isinstance(v, jc.Literal)])
 
-def _read(env: dict, v: Any) -> Any:
-    return v.val if isinstance(v, jc.Literal) else env[v]
+    return jc.evaluate(closed.jaxpr, closed.consts, args, rebind)
 
 
 @jc.weakref_lru_cache
@@ -71,7 +63,7 @@ def _op_key(eqn: Any) -> tuple | None:
     if eqn.effects or any(True for _ in jc.jaxprs_in_params(eqn.params)):
         return None
     params = tuple(sorted(eqn.params.items()))
-    inputs = tuple(_Literal(v.val) if isinstance(v, jc.Literal) else v.aval for v in eqn.invars)
+    inputs = tuple(_Literal(jc.literal_value(v)) if isinstance(v, jc.Literal) else v.aval for v in eqn.invars)
     key = (eqn.primitive, params, inputs)
     try:
         hash(key)
@@ -104,11 +96,9 @@ def _one_op(primitive: Any, params: tuple, inputs: tuple) -> Callable:
 
     def op(*xs):
         it = iter(xs)
-        out = primitive.bind(
-            *[spec.value if isinstance(spec, _Literal) else next(it) for spec in inputs],
-            **primitive.get_bind_params(dict(params)),
+        return jc.bind_primitive(
+            primitive, [spec.value if isinstance(spec, _Literal) else next(it) for spec in inputs], dict(params)
         )
-        return out if primitive.multiple_results else [out]
 
     closed = jax.make_jaxpr(op)(*avals)
     return jax.jit(jc.jaxpr_as_fun(closed), inline=jc.INLINE_WHILE_TRACING)

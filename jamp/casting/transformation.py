@@ -20,11 +20,11 @@ import jax
 
 from jamp import _jax_compat as jc
 from jamp._arguments import checked_bool, shown
-from jamp.casting import oplists, replay, signature
+from jamp.casting import oplists, recompute, replay, signature
 from jamp.casting.adapters import nnx_nodes
 from jamp.casting.call import Context
 from jamp.casting.dtypes import is_eligible, parse_dtype
-from jamp.casting.interpreter import trace_jaxpr
+from jamp.casting.interpreter import ToolHook, rewrite_jaxpr
 from jamp.casting.policy import Mode, Policy, builtin_policy, default_device_type, get_policy
 from jamp.casting.regions import Region, marker_for
 from jamp.casting.tracing import Tracing, tracing_depth
@@ -35,12 +35,21 @@ _OUTPUT_SCALARS = (bool, int, float, complex)
 
 
 class _Entry:
-    """One traced signature: the rewritten jaxpr, its output tree, and its executable."""
+    """One traced signature: the rewritten jaxpr, its output tree, and its executable.
 
-    def __init__(self, closed: jc.ClosedJaxpr, out_tree):
-        self.closed = closed
+    The executable runs the program as rewritten: a call with arrays is not differentiated, and recompute's
+    checkpoints change nothing in a forward pass. Called with tracers (a ``grad``, or a ``jit`` that may be
+    differentiated later), the program with its checkpoints (``closed``) runs, regrouped the first time."""
+
+    def __init__(self, rewritten: jc.ClosedJaxpr, out_tree, recompute_on: bool):
+        self.rewritten = rewritten
         self.out_tree = out_tree
-        self.executable = jax.jit(jc.jaxpr_as_fun(closed))
+        self._recompute_on = recompute_on
+        self.executable = jax.jit(jc.jaxpr_as_fun(rewritten))
+
+    @functools.cached_property
+    def closed(self) -> jc.ClosedJaxpr:
+        return recompute.with_recompute(self.rewritten) if self._recompute_on else self.rewritten
 
     def run(self, dynamic: list) -> list:
         if any(isinstance(x, jax.core.Tracer) for x in dynamic):
@@ -165,11 +174,11 @@ class Autocast:
         return out
 
     # -- what the precision tools ask ----------------------------------------------------------------
-    def rewrite(self, *args, recorder: Any = None, **kwargs) -> tuple[jc.ClosedJaxpr, Any]:
-        """The rewritten program for these arguments and its output tree; ``recorder`` (see
-        :mod:`jamp.tools.explanation`) sees every decision of a fresh, uncached rewrite."""
+    def rewrite(self, *args, hook: ToolHook | None = None, **kwargs) -> tuple[jc.ClosedJaxpr, Any]:
+        """The rewritten program for these arguments and its output tree; ``hook`` (a precision tool's, see
+        :mod:`jamp.tools.observation`) evaluates every equation of a fresh, uncached rewrite."""
         _, _, sig, _ = self._prepare(args, kwargs)
-        entry = self._trace(sig, recorder=recorder)
+        entry = self._trace(sig, hook=hook)
         return entry.closed, entry.out_tree
 
     def call_key(self, *args, **kwargs) -> tuple[Any, list]:
@@ -219,7 +228,7 @@ class Autocast:
                 )
         return out
 
-    def _trace(self, sig: signature.Signature, recorder: Any = None) -> _Entry:
+    def _trace(self, sig: signature.Signature, hook: ToolHook | None = None) -> _Entry:
         closed, out_tree = self._original(sig)
         policy = self.policy
         n_own = out_tree.children()[0].num_leaves  # the function's own outputs, before the NNX writes
@@ -227,5 +236,7 @@ class Autocast:
             policy.output_dtype if i < n_own and policy.output_dtype is not None and is_eligible(a.dtype) else a.dtype
             for i, a in enumerate(closed.out_avals)
         )
-        ctx = Context(policy, Mode.AUTOCAST, (), self.cache_enabled, recompute=self.recompute, recorder=recorder)
-        return _Entry(trace_jaxpr(closed, tuple(closed.in_avals), ctx, out_dtypes), out_tree)
+        ctx = Context(policy, Mode.AUTOCAST, (), self.cache_enabled, recompute=self.recompute)
+        # a tool sees the program as rewritten, without recompute's checkpoints
+        rewritten = rewrite_jaxpr(closed, tuple(closed.in_avals), ctx, out_dtypes, hook)
+        return _Entry(rewritten, out_tree, self.recompute and hook is None)

@@ -57,7 +57,7 @@ class Traced(NamedTuple):
 
     def __call__(self) -> list:
         """The update's flat outputs, its equations bound again (what the user's ``update`` would bind)."""
-        return jax.core.eval_jaxpr(self.closed.jaxpr, self.closed.consts, *self.args)
+        return jc.evaluate(self.closed.jaxpr, self.closed.consts, self.args)
 
 
 def trace(update: Callable, grads: Any, state: Any, params: Any, extra: dict) -> Traced:
@@ -91,23 +91,24 @@ def select_where_produced(traced: Traced, skip: jax.Array, state: Any, zeros: le
         if isinstance(v, jc.Var) and v not in jaxpr.invars and v not in old_of:
             old_of[v] = old
 
-    env: dict = {**dict(zip(jaxpr.constvars, traced.closed.consts)), **dict(zip(jaxpr.invars, traced.args))}
     computed: dict = {}  # state outputs as inner computed them
     selected: dict = {}  # the same, selected against the old leaf they replace
 
-    def read(v):
-        return v.val if isinstance(v, jc.Literal) else env[v]
-
-    for eqn in jaxpr.eqns:
-        with jc.user_context(eqn), eqn.ctx.manager:
-            outs = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
-        for v, out in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
-            env[v] = out
+    def select_as_produced(eqn, invals: list) -> list:
+        outs = jc.bind(eqn, invals)
+        for i, (v, out) in enumerate(zip(eqn.outvars, outs)):
             if v in old_of:
                 computed[v] = out
                 selected[v] = _select(skip, old_of[v], out)
-                if jnp.ndim(out):  # scalars: see the module docstring
-                    env[v] = selected[v]
+                if jnp.ndim(out):  # later uses read the selected leaf; scalars: see the module docstring
+                    outs[i] = selected[v]
+        return outs
+
+    env: dict = {}
+    jc.evaluate(jaxpr, traced.closed.consts, traced.args, select_as_produced, env)
+
+    def read(v):
+        return jc.read(env, v)
 
     def new_leaf(v, old):
         if isinstance(v, jc.Var) and old_of.get(v) is old:

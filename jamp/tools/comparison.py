@@ -3,7 +3,7 @@ the autocast program, value by value, and reports every compared op's bad elemen
 
 The interpreter evaluates the autocast program; this observer keeps, in each frame, the float32 value of
 every variable beside it (its *shadow*: the reference program's value, run in lockstep through every loop
-iteration and branch by the higher-order rules, :mod:`jamp.casting.rules.threading`). After each equation
+iteration and branch by the tool's versions of the higher-order rules, :mod:`jamp.tools.entering`). After each equation
 that is not a higher-order one whose body was entered, it binds the equation as recorded on the shadows
 and compares the two results: one report per floating output, an int32 vector ``[found, *levels, overflowed,
 underflowed, nonzero in float32, float32's largest finite |x| as int32 bits]``, made by one variadic
@@ -20,8 +20,8 @@ import numpy as np
 
 from jamp import _jax_compat as jc
 from jamp.casting.call import Call
-from jamp.casting.observation import LEVELS, Observer
 from jamp.casting.rules import HIGHER_ORDER_RULES
+from jamp.tools.observation import LEVELS, Frame, Observer
 
 _LOW = ("float16", "bfloat16")
 # Ops that only move, repeat, negate or widen input elements (or take their abs or sign): an overflow,
@@ -89,27 +89,23 @@ class Comparison(Observer):
         super().__init__()
         self.min_underflow = min_underflow
 
-    def record(self, call: Call, effective: str, outs: list) -> None:
-        super().record(call, effective, outs)
-        frame, eqn = call.frame, call.eqn
+    def record(self, call: Call, effective: str, outs: list, frame: Frame, whole: bool) -> None:
+        super().record(call, effective, outs, frame, whole)
+        eqn = call.eqn
         if not frame.threads:
             return  # no shadows here: a while loop's condition
-        if eqn.primitive.name in HIGHER_ORDER_RULES and not call.whole:
+        if eqn.primitive.name in HIGHER_ORDER_RULES and not whole:
             if not frame.has(eqn.outvars):
                 raise NotImplementedError(
                     f"jamp.find_overflow: the rule for {eqn.primitive.name} runs its body without the float32 "
-                    "values beside it; a higher-order rule threads them (jamp.casting.rules.threading)"
+                    "values beside it; the tool's version of the rule threads them (jamp.tools.entering)"
                 )
             return  # the rule entered the body: its ops were compared there
         ref = self.shadowed(eqn)
-        if ref is None:  # a conversion the float32 trace does not have (jamp.casting.pairing)
+        if ref is None:  # a conversion the float32 trace does not have (jamp.tools.pairing)
             frame.write(eqn.outvars, frame.read(eqn.invars))
-        elif not call.whole:
-            with jc.user_context(eqn), eqn.ctx.manager:
-                ref_outs = ref.primitive.bind(
-                    *frame.read(eqn.invars, ref.invars), **ref.primitive.get_bind_params(ref.params)
-                )
-            frame.write(eqn.outvars, ref_outs if eqn.primitive.multiple_results else [ref_outs])
+        elif not whole:
+            frame.write(eqn.outvars, jc.bind(ref, frame.read(eqn.invars, ref.invars)))
         amp_in = call.bound or call.invals
         if _is_copy(eqn, amp_in, outs):
             return
@@ -125,7 +121,7 @@ class Comparison(Observer):
                 input_dtypes=tuple(str(getattr(x, "dtype", "?")) for x in amp_in),
                 output_dtype=str(amp.dtype),
                 total_elements=int(np.size(ref)),
-                scope=call.ctx.scope,
+                scope=frame.scope,
             )
             frame.reports.append((site, self._report(amp, ref, check_underflow)))
 

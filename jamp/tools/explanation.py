@@ -12,6 +12,8 @@ from typing import Any
 
 from jamp.casting.autocast import autocast
 from jamp.casting.regions import LeafRule
+from jamp.tools.bodies import hook
+from jamp.tools.observation import Frame
 from jamp.tools.records import OpRecord, Recorder
 from jamp.tools.sources import fitted_source
 
@@ -226,7 +228,7 @@ def explain(fun: Callable, **autocast_kwargs) -> Callable[..., Report]:
 
     def run(*args, **kwargs) -> Report:
         recorder = Recorder()
-        autocast(fun, **autocast_kwargs).rewrite(*args, recorder=recorder, **kwargs)
+        autocast(fun, **autocast_kwargs).rewrite(*args, hook=hook(Frame(recorder)), **kwargs)
         return Report([r for r in recorder.records if _touches_float(r)])
 
     return run

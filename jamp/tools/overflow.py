@@ -27,9 +27,9 @@ import numpy as np
 from jamp import _jax_compat as jc
 from jamp.casting.autocast import autocast
 from jamp.casting.call import Context
-from jamp.casting.interpreter import evaluate
-from jamp.casting.observation import COND, SCAN, SHARD_MAP, WHILE, Frame
+from jamp.tools.bodies import observed
 from jamp.tools.comparison import Comparison, Site
+from jamp.tools.observation import COND, SCAN, SHARD_MAP, WHILE, Frame
 from jamp.tools.sources import short_source
 
 _CACHE_SIZE = 8  # argument signatures a find_overflow(...) function keeps compiled, oldest dropped first
@@ -173,12 +173,11 @@ def _first_finding(sites: list[Site], reports: np.ndarray, payload: int) -> Find
 def _compile(closed: jc.ClosedJaxpr, dynamic: list, ctx: Context, min_underflow: float) -> tuple[list, Callable]:
     """The compared sites and the compiled program returning all their reports, concatenated."""
     comparison = Comparison(min_underflow)
-    ctx = dataclasses.replace(ctx, recorder=comparison)
     sites: list[Site] = []
 
     def side_by_side(*dynamic):
         frame = Frame(comparison).child(closed.jaxpr, closed.consts, list(dynamic))
-        evaluate(closed.jaxpr, closed.consts, dynamic, ctx, frame)
+        observed(closed.jaxpr, closed.consts, dynamic, ctx, frame)
         sites[:] = [site for site, _ in frame.reports]
         return jnp.concatenate([r for _, r in frame.reports]) if sites else jnp.zeros((0,), jnp.int32)
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jamp import _jax_compat as jc
 from jamp.casting import accumulation
 from jamp.casting.call import MATMUL_LIKE, Call
-from jamp.casting.observation import COND, SCAN, SHARD_MAP, WHILE, Observer
+from jamp.tools.observation import COND, SCAN, SHARD_MAP, WHILE, Frame, Observer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +131,9 @@ class Recorder(Observer):
         super().__init__()
         self.records: list[OpRecord] = []
 
-    def record(self, call: Call, effective: str, outs: list) -> None:
-        super().record(call, effective, outs)
-        eqn, scope = call.eqn, call.ctx.scope
+    def record(self, call: Call, effective: str, outs: list, frame: Frame, whole: bool) -> None:
+        super().record(call, effective, outs, frame, whole)
+        eqn, scope = call.eqn, frame.scope
         repeats = _repeats(scope)
         ran = call.bound if call.bound is not None else call.invals
         self.records.append(

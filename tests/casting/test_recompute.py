@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src import source_info_util
+from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
 
 import jamp
 from jamp.casting import recompute
@@ -214,3 +216,61 @@ def test_flax_scans_keep_no_low_precision_copy_of_stacked_parameters():
         assert not [a for a in saved if a.shape in shapes and a.dtype == jnp.bfloat16], name
         assert [a for a in kept if a.shape in shapes and a.dtype == jnp.bfloat16], name
         assert _nbytes(saved) <= 0.5 * _nbytes(kept), name
+
+
+def _tanh_layer(x, w):
+    return jnp.tanh(x @ w) * 2.0
+
+
+def _sin_layer(x, w):  # the same structure as _tanh_layer, written on other lines
+    return jnp.tanh(x @ w) * 2.0
+
+
+def _ops_in_checkpoints(fn, *args) -> set[tuple[str, str]]:
+    """(function of the user frame, primitive) of every equation inside a checkpoint of ``fn``'s rewrite."""
+    closed = jax.make_jaxpr(jamp.autocast(fn, device_type="gpu"))(*args)
+    return {
+        (source_info_util.user_frame(inner.source_info.traceback).function_name, inner.primitive.name)
+        for eqn in closed.jaxpr.eqns
+        if eqn.primitive.name == "remat2"
+        for inner in eqn.params["jaxpr"].eqns
+    }
+
+
+def test_checkpointed_groups_keep_their_own_source_lines():
+    """Two functions of the same structure each keep their own lines in the checkpoints (and so in the compiled
+    program's locations), not the lines of the first one seen."""
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8)) / 8
+    ops = _ops_in_checkpoints(lambda x, w: jnp.sum(_sin_layer(_tanh_layer(x, w), w) @ w), x, w)
+    assert {("_tanh_layer", "tanh"), ("_sin_layer", "tanh"), ("_tanh_layer", "dot_general")} <= ops, ops
+    assert ("_sin_layer", "dot_general") in ops, ops
+
+
+def test_user_checkpoint_names_reach_the_backward_pass(capsys):
+    """A value the user named with ``checkpoint_name`` is saved under its name by an outer
+    ``save_only_these_names`` policy, as without autocast (JAX's residual printer names it)."""
+
+    def f(w, x):
+        h = checkpoint_name(jnp.tanh(x @ w) * 2, "hidden")
+        return jnp.sum(jnp.exp(h) * h)
+
+    policy = jax.checkpoint_policies.save_only_these_names("hidden")
+    w, x = jnp.ones((8, 8)) / 8, jnp.ones((4, 8))
+    for fn in (f, jamp.autocast(f, device_type="gpu")):
+        print_saved_residuals(jax.checkpoint(fn, policy=policy), w, x)
+        saved = [line for line in capsys.readouterr().out.splitlines() if "argument" not in line]
+        assert len(saved) == 1 and "named 'hidden'" in saved[0], saved
+
+
+def test_a_call_with_arrays_does_not_regroup_the_program(monkeypatch):
+    """Passes over the program per cache miss: a call with arrays traces the function, rewrites it and compiles
+    it (checkpoints change nothing in a forward pass); under ``grad`` the rewritten program is regrouped once
+    instead of compiled, with the same values."""
+    regrouped = []
+    monkeypatch.setattr(recompute, "with_recompute", lambda closed: regrouped.append(closed) or closed)
+    params, x = _inputs()
+    amp = _autocast(_loss())
+    value = amp(params, x)
+    assert regrouped == []
+    grad_value, _ = jax.value_and_grad(amp)(params, x)
+    assert len(regrouped) == 1 and float(grad_value) == float(value)

@@ -3,17 +3,17 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import lower_for_cuda
 from jax.sharding import PartitionSpec as P
 
 import jamp_kernels
-from jamp import _jax_compat as jc
 from jamp_kernels import pallas_triton
 
 TRITON = "__gpu$xla.gpu.triton"
 
 
 def cuda_text(fn, *args) -> str:
-    return jc.lower_for_cuda(fn, *args).as_text()
+    return lower_for_cuda(fn, *args).as_text()
 
 
 def mixed_tree():

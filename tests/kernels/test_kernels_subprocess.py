@@ -21,7 +21,7 @@ def run_child(code: str, **env: str) -> dict:
         capture_output=True,
         text=True,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), **env},
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -33,7 +33,7 @@ import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jamp_kernels
-from jamp._jax_compat import lower_for_cuda
+from helpers import lower_for_cuda
 
 INV = np.float32(0.25)
 rng = np.random.default_rng(0)
@@ -140,7 +140,7 @@ FLOAT64 = """
 import json
 import jax, jax.numpy as jnp, numpy as np
 import jamp_kernels
-from jamp._jax_compat import lower_for_cuda
+from helpers import lower_for_cuda
 
 inv = np.float32(1 / 3)
 rng = np.random.default_rng(0)

@@ -14,11 +14,10 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from compile_flags import as_users
-from helpers import run_subprocess
+from helpers import lower_for_cuda, run_subprocess
 
 import jamp
 import jamp_kernels
-from jamp import _jax_compat as jc
 
 PARAMS = {"w": jnp.arange(6.0).reshape(2, 3) / 7, "b": jnp.ones(3)}
 
@@ -300,7 +299,7 @@ def test_auto_backend_checks_with_one_kernel_launch_on_cuda_only(platform, kerne
         return tx.update(p, s, p)
 
     lowered = (
-        jc.lower_for_cuda(step, params, tx.init(params))
+        lower_for_cuda(step, params, tx.init(params))
         if platform == "cuda"
         else jax.jit(step).lower(params, tx.init(params))
     )

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import optax
 import pytest
 from compile_flags import as_users
+from helpers import lower_for_cuda
 
 import jamp
-from jamp import _jax_compat as jc
 
 SCALE = 1024.0
 
@@ -73,7 +73,7 @@ def _hlo_instructions(tx, step, shapes) -> int:
 
 
 def _cuda_operations(tx, step, shapes) -> int:
-    text = jc.lower_for_cuda(step, *_args(tx, shapes)).as_text()
+    text = lower_for_cuda(step, *_args(tx, shapes)).as_text()
     return sum(1 for line in text.splitlines() if re.match(r"\s+(%\S+ = |return |stablehlo\.return )", line))
 
 

@@ -266,3 +266,16 @@ def test_shard_map_reports_the_device_and_the_iteration_on_it():
     assert result["finding"][5] == "device 4 of shard_map, iteration 1 of scan (length 2)"
     assert result["clean"]
     assert result["dot"] == [8 * 2 * 2 * 2 * 64 * 64, 16, "shard_map on 8 devices > scan length 2"]
+
+
+def test_explain_enters_a_lower_precision_kernel_that_refuses_float32():
+    """explain evaluates the kernel as autocast runs it (compute dtype) and never traces it on float32."""
+
+    @jamp.lower_precision
+    def kernel(a, b):
+        if a.dtype == jnp.float32:
+            raise NotImplementedError("a kernel for float16/bfloat16 only")
+        return jnp.tanh(a) @ b
+
+    rows = jamp.explain(lambda x, w: kernel(x, w) + x @ w, device_type="gpu")(X, W).rows
+    assert [r.ran_dtypes for r in rows if r.primitive == "dot_general"] == [("float16", "float16")] * 2

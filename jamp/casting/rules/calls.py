@@ -1,8 +1,7 @@
 """jit and remat: dtype-propagating. Their bodies are re-traced with the dtypes that arrive, so
 low-precision activations flow through nested jits and checkpointed blocks without boundary casts;
 arity is unchanged, so shardings, donation and remat policies stay valid. A jit that records a
-``jamp.lower_precision`` call is traced again from its function (:mod:`jamp.casting.rules.lower_precision`).
-A threading observer enters both in place (:func:`jamp.casting.rules.threading.enter`)."""
+``jamp.lower_precision`` call is traced again from its function (:mod:`jamp.casting.rules.lower_precision`)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from jamp.casting.call import Call, avals_of
 from jamp.casting.interpreter import retrace, retrace_open
 from jamp.casting.policy import Mode, Policy
 from jamp.casting.rules import lower_precision as lower_precision_rule
-from jamp.casting.rules.threading import enter
 
 
 @jc.weakref_lru_cache
@@ -26,36 +24,23 @@ def _holds_linalg(jaxpr: jc.Jaxpr, policy: Policy) -> bool:
 def jit_body_ctx(call: Call):
     """The jit's name is a path component (region rules match it); a jit that directly holds a
     decomposition (jnp.linalg.solve/inv/pinv...) runs in float32, matmuls around it included."""
-    ctx = call.body_ctx(call.params[jc.JIT_NAME])
-    if ctx.mode != Mode.OFF and _holds_linalg(call.params[jc.JIT_JAXPR].jaxpr, ctx.policy):
+    ctx = call.body_ctx(jc.jit_name(call.eqn))
+    if ctx.mode != Mode.OFF and _holds_linalg(jc.jit_jaxpr(call.eqn).jaxpr, ctx.policy):
         ctx = dataclasses.replace(ctx, mode=Mode.FLOAT32)
     return ctx
 
 
 def jit(call: Call):
-    recorded = lower_precision_calls.recorded_call(call.params[jc.JIT_JAXPR])
+    recorded = lower_precision_calls.recorded_call(jc.jit_jaxpr(call.eqn))
     lowered = None if recorded is None else lower_precision_rule.traced(call, recorded)
     if lowered is not None:  # a jamp.lower_precision call: the function, traced in this region's dtypes
-        invals, closed, ctx, float32 = lowered
-
-        def bind_lowered():
-            return call.bind(invals, **{jc.JIT_JAXPR: retrace(closed, avals_of(invals), ctx, None)})
-
-        return enter(call, closed, invals, ctx, None, bind_lowered, shadowed=float32)
-    ctx, closed = jit_body_ctx(call), call.params[jc.JIT_JAXPR]
-
-    def bind():
-        return call.bind(**{jc.JIT_JAXPR: retrace(closed, avals_of(call.invals), ctx, None)})
-
-    return enter(call, closed, call.invals, ctx, None, bind)
+        invals, closed, ctx, _ = lowered
+        return call.bind(invals, **{jc.JIT_JAXPR: retrace(closed, avals_of(invals), ctx, None)})
+    ctx, closed = jit_body_ctx(call), jc.jit_jaxpr(call.eqn)
+    return call.bind(**{jc.JIT_JAXPR: retrace(closed, avals_of(call.invals), ctx, None)})
 
 
 def remat(call: Call):
-    jaxpr = call.params[jc.REMAT_JAXPR]
-
-    def bind():
-        new = retrace_open(jaxpr, avals_of(call.invals), call.body_ctx())
-        body = jc.convert_constvars_jaxpr(new.jaxpr) if new.consts else new.jaxpr
-        return call.bind([*new.consts, *call.invals], **{jc.REMAT_JAXPR: body})
-
-    return enter(call, jc.ClosedJaxpr(jaxpr, ()), call.invals, call.body_ctx(), None, bind)
+    new = retrace_open(jc.remat_jaxpr(call.eqn), avals_of(call.invals), call.body_ctx())
+    body = jc.convert_constvars_jaxpr(new.jaxpr) if new.consts else new.jaxpr
+    return call.bind([*new.consts, *call.invals], **{jc.REMAT_JAXPR: body})

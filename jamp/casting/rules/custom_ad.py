@@ -8,8 +8,6 @@ custom_vjp preserves its boundary: the primal and fwd bodies see the recorded dt
 them, so the residuals the Python bwd rule receives have the types it was written for; the bwd
 rule itself runs through the interpreter and its outputs are cast back to the dtypes the original
 bwd produces (JAX does not check them, and a bf16 cotangent would leak into jax.grad).
-
-A threading observer enters both primal bodies in place (:func:`jamp.casting.rules.threading.enter`).
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import jax
 from jamp import _jax_compat as jc
 from jamp.casting.call import Call, avals_of, cast_outputs
 from jamp.casting.interpreter import evaluate, retrace
-from jamp.casting.rules.threading import enter
 
 
 def _memoized_thunk(original, build):
@@ -30,24 +27,19 @@ def _memoized_thunk(original, build):
             memo[flags] = build(*flags)
         return memo[flags]
 
-    return jc.wrap_init(thunk, debug_info=original.debug_info)
+    return jc.wrap_like(thunk, original)
 
 
 def custom_jvp(call: Call):
     ctx = call.body_ctx()
-    return enter(call, call.params[jc.CALL_JAXPR], call.invals, ctx, None, lambda: _custom_jvp(call, ctx))
-
-
-def _custom_jvp(call: Call, ctx):
-    p = call.params
     in_avals = avals_of(call.invals)
-    new_call = retrace(p[jc.CALL_JAXPR], in_avals, ctx, None)
+    new_call = retrace(jc.call_jaxpr(call.eqn), in_avals, ctx, None)
     out_dtypes = tuple(a.dtype for a in new_call.out_avals)
-    primal_avals = in_avals[p[jc.NUM_CONSTS] :]
-    original = p[jc.JVP_THUNK]
+    num_consts, original = jc.custom_jvp_parts(call.eqn)
+    primal_avals = in_avals[num_consts:]
 
     def build(*zeros):
-        jaxpr, consts, out_zeros = original.call_wrapped(*zeros)
+        jaxpr, consts, out_zeros = jc.call_thunk(original, *zeros)
         tangent_avals = [a.to_tangent_aval() for a, z in zip(primal_avals, zeros) if not z]
         tangent_dtypes = [d for d, z in zip(out_dtypes, out_zeros) if not z]
         new = retrace(
@@ -55,8 +47,8 @@ def _custom_jvp(call: Call, ctx):
         )
         return new.jaxpr, new.consts, out_zeros
 
-    params = {**p, jc.CALL_JAXPR: new_call, jc.JVP_THUNK: _memoized_thunk(original, build)}
-    return call.bind_with(call.invals, call.eqn.primitive.get_bind_params(params))
+    params = jc.bind_params(call.eqn, **{jc.CALL_JAXPR: new_call, jc.JVP_THUNK: _memoized_thunk(original, build)})
+    return call.bind_with(call.invals, params)
 
 
 def _preserving(closed, ctx):
@@ -69,7 +61,7 @@ def _autocast_bwd(original, ctx):
         logs_tree: list = []  # jax >= 0.11: the tree of the rule's backward-pass logs
 
         def nonzero_outputs(*a):
-            cts, logs = jc.split_bwd_result(original.call_wrapped(*a))
+            cts, logs = jc.split_bwd_result(jc.call_thunk(original, *a))
             zeros[:] = [c if jc.is_symbolic_zero(c) else None for c in cts]
             log_leaves, tree = jax.tree.flatten(logs)
             logs_tree[:] = [tree]
@@ -82,28 +74,21 @@ def _autocast_bwd(original, ctx):
         cts = [z if z is not None else next(vals) for z in zeros]
         return jc.join_bwd_result(cts, jax.tree.unflatten(logs_tree[0], outs[n:]))
 
-    return jc.wrap_init(bwd, debug_info=original.debug_info)
+    return jc.wrap_like(bwd, original)
 
 
 def custom_vjp(call: Call):
-    ctx, closed, operands = call.body_ctx(), call.params[jc.CALL_JAXPR], call.cast_to_recorded()
-    out_dtypes = [a.dtype for a in closed.out_avals]
-    return enter(call, closed, operands, ctx, out_dtypes, lambda: _custom_vjp(call, ctx, operands))
-
-
-def _custom_vjp(call: Call, ctx, operands: list):
-    p = call.params
-    fwd_original = p[jc.FWD_THUNK]
+    ctx, operands = call.body_ctx(), call.cast_to_recorded()
+    fwd_original, bwd = jc.custom_vjp_parts(call.eqn)
 
     def build_fwd(*nonzeros):
-        jaxpr, consts = fwd_original.call_wrapped(*nonzeros)
+        jaxpr, consts = jc.call_thunk(fwd_original, *nonzeros)
         new = _preserving(jc.ClosedJaxpr(jaxpr, consts), ctx)
         return new.jaxpr, new.consts
 
-    params = {
-        **p,
-        jc.CALL_JAXPR: _preserving(p[jc.CALL_JAXPR], ctx),
+    updates = {
+        jc.CALL_JAXPR: _preserving(jc.call_jaxpr(call.eqn), ctx),
         jc.FWD_THUNK: _memoized_thunk(fwd_original, build_fwd),
-        jc.BWD: _autocast_bwd(p[jc.BWD], ctx),
+        jc.BWD: _autocast_bwd(bwd, ctx),
     }
-    return call.bind_with(operands, call.eqn.primitive.get_bind_params(params))
+    return call.bind_with(operands, jc.bind_params(call.eqn, **updates))

@@ -31,7 +31,7 @@ def traced(call: Call, recorded: LowPrecisionCall) -> tuple | None:
     """(inputs, the function traced on their dtypes, the body's context, a function returning its trace as
     written) for the recorded call in this context; None when the function traced on these dtypes returns
     other shapes than it recorded (then the recorded body runs)."""
-    ctx = call.body_ctx(call.params[jc.JIT_NAME])
+    ctx = call.body_ctx(jc.jit_name(call.eqn))
     dtypes = input_dtypes(
         ctx.mode, ctx.compute_dtype, [x.dtype for x in call.invals], [v.aval.dtype for v in call.eqn.invars]
     )

@@ -1,62 +1,21 @@
 """shard_map (and pmap, which stages as jit(shard_map)): boundary-preserving.
 
 The body is an open jaxpr over per-shard avals; it can only be traced inside the manual-axis
-context, so the rule hands shard_map a body function and lets shard_map trace it there.
-
-Under a threading observer (:mod:`jamp.casting.rules.threading`) the shadows are operands and results
-beside the values, under the same specs, and every report leaves once per device (its device index as a
-level), out of which the caller keeps the device that found something first."""
+context, so the rule hands shard_map a body function and lets shard_map trace it there."""
 
 from __future__ import annotations
-
-import math
-
-import jax
-import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
 from jamp import _jax_compat as jc
 from jamp.casting.call import Call, cast_outputs
 from jamp.casting.interpreter import evaluate
-from jamp.casting.observation import SHARD_MAP, Frame
-from jamp.casting.rules import threading
-from jamp.casting.rules.threading import first_device, split
 
 
 def shard_map(call: Call):
-    jaxpr = call.params[jc.SHARD_MAP_JAXPR]
+    jaxpr, ctx = jc.shard_map_jaxpr(call.eqn), call.body_ctx()
     out_dtypes = [v.aval.dtype for v in jaxpr.outvars]
-    axes = jc.shard_map_manual_axes(call.params)
-    ctx = threading.scoped(call, SHARD_MAP, math.prod(call.params["mesh"].shape[a] for a in axes))
-    params = call.eqn.primitive.get_bind_params(call.params)
-    out_specs, frame = call.params[jc.SHARD_MAP_OUT_SPECS], call.frame
-    if not frame.threads:
 
-        def body(*args):
-            return cast_outputs(evaluate(jaxpr, (), args, ctx), out_dtypes)
+    def body(*args):
+        return cast_outputs(evaluate(jaxpr, (), args, ctx), out_dtypes)
 
-        params["subfuns"] = (jc.shard_map_body(out_specs, body),)
-        return call.bind_with(call.cast_to_recorded(), params)
-
-    observer, n = frame.observer, len(jaxpr.invars)
-    shadowed, sites = observer.shadowed(jaxpr), []
-
-    def threaded(*args):
-        inner = Frame(observer).child(jaxpr, (), list(args[n:]))
-        outs = cast_outputs(evaluate(jaxpr, (), args[:n], ctx, inner), out_dtypes)
-        sites[:] = [site for site, _ in inner.reports]
-        device = jax.lax.axis_index(axes).astype(jnp.int32)[None]
-        rows = [jnp.concatenate([r[:1], device, r[1:]])[None] for _, r in inner.reports]
-        return [*outs, *inner.read(jaxpr.outvars, shadowed.outvars), *rows]
-
-    def all_out_specs():
-        return (*out_specs, *out_specs, *(PartitionSpec(axes),) * len(sites))
-
-    params["subfuns"] = (jc.shard_map_body(all_out_specs, threaded),)
-    params[jc.SHARD_MAP_IN_SPECS] = (*params[jc.SHARD_MAP_IN_SPECS],) * 2
-    params["debug_info"] = params["debug_info"].with_unknown_names()  # other arguments than the function's
-    operands = [*call.cast_to_recorded(), *frame.read(call.eqn.invars)]
-    outs, shadows, rows = split(list(call.bind_with(operands, params)), (len(out_dtypes),) * 2)
-    frame.write(call.eqn.outvars, shadows)
-    frame.reports.extend((site, first_device(r, observer.payload)) for site, r in zip(sites, rows))
-    return outs
+    params = jc.shard_map_params(call.eqn, jc.shard_map_body(jc.shard_map_out_specs(call.eqn), body))
+    return call.bind_with(call.cast_to_recorded(), params)

@@ -21,12 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import eqns
+from helpers import eqns, lower_for_cuda
 from jax._src.cudnn import fused_attention_stablehlo
 
 import jamp
 import jamp.nn.attention as jamp_nn
-from jamp import _jax_compat as jc
 
 
 def _qkv(shape, seed=0):
@@ -45,7 +44,7 @@ def cuda_host(monkeypatch):
 def _cudnn_calls(fn, *args) -> dict:
     """ "forward"/"backward" -> the dtypes of the operands of cuDNN's fused attention (``__cudnn$fmha...``
     custom calls; ``fmhaScaleBiasSoftmax`` with a mask or bias) in ``fn`` lowered for CUDA."""
-    text = jc.lower_for_cuda(fn, *args).as_text()
+    text = lower_for_cuda(fn, *args).as_text()
     calls = re.findall(r"stablehlo\.custom_call @__cudnn\$fmha(\w+?)\(.*?\).*?: \((.*?)\) ->", text)
     return {
         "backward" if target.endswith("Backward") else "forward": sorted(set(re.findall(r"x(bf16|f16|f32)>", ops)))

@@ -1,13 +1,12 @@
 """What a tool hooked into the interpreter keeps: the scopes around an equation, and a frame per evaluation.
 
-``jamp.explain`` and ``jamp.find_overflow`` are *observers*: the interpreter calls
-``observer.record(call, effective, outs)`` after every equation it evaluates, and the higher-order
-rules, the same ones autocast runs, carry the observer into every body they re-trace (as jax's checkify
-adds its check to one rule table and threads the error through loop carries and branch outputs).
-What a body adds for an observer lives in :mod:`jamp.casting.rules.threading`.
+``jamp.explain`` and ``jamp.find_overflow`` are *observers*: their hook on the interpreter's loop
+(:mod:`jamp.tools.bodies`) calls ``observer.record(call, effective, outs, frame, whole)`` after every equation,
+and evaluates the bodies of higher-order primitives itself (:mod:`jamp.tools.entering`), so that the observer
+sees every equation inside them (as jax's checkify threads its error through loop carries and branch outputs).
+Autocast's rules and contexts know nothing of observers.
 
-- :class:`Scope`: a loop, branch or shard_map around an equation, added to ``Context.scope`` only
-  while an observer watches (autocast's contexts, its cache keys, never hold one).
+- :class:`Scope`: a loop, branch or shard_map around an equation, kept in the frame of its body.
 - :class:`Frame`: one evaluation of a jaxpr. A *threading* observer (find_overflow) keeps a *shadow*
   beside every value there (the float32 program's value) and *reports*: int32 vectors computed inside
   a body that must leave it, ``[found, *levels, *payload]`` where ``found`` is nonzero where the report
@@ -21,7 +20,6 @@ import dataclasses
 from typing import Any
 
 from jamp import _jax_compat as jc
-from jamp.casting.call import literal_value
 
 SCAN, WHILE, COND, SHARD_MAP = "scan", "while", "cond", "shard_map"
 # Scopes whose reports gain a level when they leave: the iteration of a loop, the device of a shard_map.
@@ -40,7 +38,7 @@ class Scope:
 
 
 class Observer:
-    """A tool that watches the interpreter (``Context.recorder``); hashed by identity.
+    """A tool that watches the interpreter through its hook (:func:`jamp.tools.bodies.hook`).
 
     ``threads``: it keeps a shadow beside every value and reports arrays out of bodies (see :class:`Frame`).
     ``payload``: the length of a report's payload. ``position``: equations recorded so far, in evaluation
@@ -54,12 +52,14 @@ class Observer:
         self.position = 0
         self._pairs: dict[int, tuple[Any, Any]] = {}  # id(object walked) -> (it, the one its shadow runs)
 
-    def record(self, call, effective: str, outs: list) -> None:
+    def record(self, call, effective: str, outs: list, frame: Frame, whole: bool) -> None:
+        """After ``call``'s equation ran under the rule ``effective`` and returned ``outs``, in ``frame``; ``whole``:
+        a higher-order equation whose body the observer did not see equation by equation."""
         self.position += 1
 
     def pair(self, walked: Any, shadowed: Any) -> None:
         """Shadows of ``walked`` (an equation, a jaxpr) run ``shadowed`` (a float32 trace of the same code; None:
-        an equation whose output's shadow is its input's, :mod:`jamp.casting.pairing`)."""
+        an equation whose output's shadow is its input's, :mod:`jamp.tools.pairing`)."""
         self._pairs[id(walked)] = (walked, shadowed)
 
     def shadowed(self, walked: Any) -> Any:
@@ -75,12 +75,14 @@ class Observer:
 class Frame:
     """One evaluation of a jaxpr as an observer sees it: the shadow of each value (``shadow`` is None
     where there are none: no observer, one that does not thread, a while loop's condition) and the
-    reports made in it, ``(site, array)`` pairs in evaluation order (a call's body shares its caller's)."""
+    reports made in it, ``(site, array)`` pairs in evaluation order (a call's body shares its caller's), and the
+    scopes around it, outermost first."""
 
-    def __init__(self, observer: Observer | None = None, shadow: dict | None = None, reports: list | None = None):
+    def __init__(self, observer: Observer, shadow: dict | None = None, reports: list | None = None, scope: tuple = ()):
         self.observer = observer
         self.shadow = shadow
         self.reports: list = [] if reports is None else reports
+        self.scope = scope
 
     @property
     def threads(self) -> bool:
@@ -92,7 +94,7 @@ class Frame:
         if not self.threads:
             return []
         like = vs if like is None else like
-        return [literal_value(w) if isinstance(w, jc.Literal) else self.shadow[v] for v, w in zip(vs, like)]
+        return [jc.literal_value(w) if isinstance(w, jc.Literal) else self.shadow[v] for v, w in zip(vs, like)]
 
     def write(self, vs, values) -> None:
         if self.threads:
@@ -105,7 +107,7 @@ class Frame:
         """The frame of ``jaxpr`` evaluated within this one (a call entered in place; from a fresh frame, a body
         re-traced on its own): it shares this frame's reports; ``consts`` are its constants' shadows,
         ``shadows`` its inputs' (None: it has none)."""
-        frame = Frame(self.observer, None if shadows is None else {}, self.reports)
+        frame = Frame(self.observer, None if shadows is None else {}, self.reports, self.scope)
         frame.write(jaxpr.constvars, consts)
         frame.write(jaxpr.invars, shadows or ())
         return frame

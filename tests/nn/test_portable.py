@@ -24,6 +24,14 @@ import jamp
 from jamp import _jax_compat as jc
 from jamp.casting import portable_dots
 
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    """These tests state what XLA:CPU refuses and accepts: they run on the CPU whatever the default backend is."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 F16_F16_F32 = jax.lax.DotAlgorithmPreset.F16_F16_F32
 FEATURES = 16
 
