@@ -2,7 +2,7 @@
 
 Four wings: :mod:`jamp.casting` (autocast, the jaxpr transformation), :mod:`jamp.scaling` (GradScaler
 as an optax transformation), :mod:`jamp.low_precision_params` (Kahan-compensated and stochastically rounded
-updates of float16/bfloat16 parameters) and :mod:`jamp.tools` (explain, find_overflow). This module is the
+updates of float16/bfloat16 parameters) and :mod:`jamp.tools` (explain, find_overflow, collectives). This module is the
 public face.
 """
 
@@ -24,6 +24,7 @@ from jamp.scaling.skip_report import SkippedStepsWarning, report_skipped_steps
 from jamp.scaling.state import DisabledScalerState, ScalerState
 from jamp.scaling.torch_methods import ScalerTransformation
 from jamp.scaling.unscaled_grads import UnscaledGradientsWarning
+from jamp.tools.collectives import Collective, collectives
 from jamp.tools.explanation import OpRecord, Report, explain
 from jamp.tools.overflow import Finding, find_overflow
 
@@ -60,6 +61,8 @@ __all__ = [
     "kahan_summation",
     "stochastic_rounding",
     # precision tools
+    "Collective",
+    "collectives",
     "Finding",
     "OpRecord",
     "Report",
