@@ -13,7 +13,7 @@ scaler's step must at least hold. The scaler is the default ``jamp.scaler(optax.
 
 For each it prints the optimized HLO that XLA:CPU compiles (``.compile().as_text()``: lines and
 instructions), the StableHLO of the program lowered for "cuda" without a device
-(``jax.jit(step).trace(...).lower(lowering_platforms=("cuda",))``, through ``lower_for_cuda`` below,
+(``jax.jit(step).trace(...).lower(lowering_platforms=("cuda",))``, through the tests' ``lower_for_cuda``,
 which lets jax >= 0.11 lower the Triton kernel on a host without a GPU: lines and operations) and the XLA:CPU
 compile time (``--repeats`` interleaved rounds, each compiling a freshly traced and lowered step of both,
 so no cache answers; the median of the rounds' ratios), then the scaler's ratio to bare Adam against the
@@ -25,9 +25,10 @@ goal of 1.25 with "met"/"not met".
 from __future__ import annotations
 
 import argparse
-import contextlib
+import pathlib
 import re
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -36,6 +37,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from scaler_overhead import SCALE, gpt2_small, is_shape
+
+# the tests' CUDA lowering from any host (tests/helpers.py: a patch of JAX's Pallas GPU registry, never jamp's)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from helpers import lower_for_cuda
 
 import jamp
 
@@ -167,36 +172,6 @@ def main() -> None:
     for title, what, b, s, r in rows:
         fmt = "{:.2f}" if isinstance(b, float) else "{}"
         print(f"| {title} | {what} | {fmt.format(b)} | {fmt.format(s)} | {r:.2f}x | {verdict(r)} |")
-
-
-def lower_for_cuda(fn, *args):
-    """``jax.jit(fn)`` lowered for CUDA from any host (Pallas GPU kernels are checked this way on CPUs).
-
-    Since jax 0.11 the Triton lowering asks which GPU it targets and fails on a host without one; there
-    the host's device kind is registered as an H100 (sm_90, what jax 0.10 assumes) for the lowering only
-    (a patch of JAX's Pallas GPU registry that this benchmark makes, never jamp).
-    """
-    traced = jax.jit(fn).trace(*args)
-    with _host_as_h100():
-        return traced.lower(lowering_platforms=("cuda",))
-
-
-@contextlib.contextmanager
-def _host_as_h100():
-    try:
-        from jax._src.pallas.triton import gpu_info
-    except ImportError:  # jax 0.10: the lowering falls back to sm_90 by itself
-        yield
-        return
-    kind = jax.devices()[0].device_kind
-    if jax.default_backend() == "gpu" or kind in gpu_info.registry:
-        yield
-        return
-    gpu_info.registry[kind] = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-    try:
-        yield
-    finally:
-        del gpu_info.registry[kind]
 
 
 if __name__ == "__main__":
