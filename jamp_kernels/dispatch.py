@@ -7,37 +7,39 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jamp_kernels import leafwise, pallas_triton, sharding, xla
+from jamp_kernels.platforms import per_platform
 
 BACKENDS = ("auto", "xla", "pallas", "interpret")
 
 
-def _xla(inv: jax.Array, *leaves: jax.Array) -> tuple[jax.Array, ...]:
-    return (*xla.unscale(list(leaves), inv), _xla_check(*leaves))
+def _xla_forms() -> dict:
+    """The XLA unscale beside each form of ``xla.CHECK_OF_PLATFORM``: ``(inv, leaves) -> (unscaled, found)``."""
+
+    def with_check(check):
+        return lambda inv, leaves: (xla.unscale(leaves, inv), check(leaves))
+
+    return {platform: with_check(check) for platform, check in xla.CHECK_OF_PLATFORM.items()}
 
 
-def _pallas(inv: jax.Array, *leaves: jax.Array, interpret: bool, donate: bool) -> tuple[jax.Array, ...]:
+def _pallas(inv: jax.Array, leaves: list, *, interpret: bool, donate: bool) -> tuple[list, jax.Array]:
     kernel = functools.partial(pallas_triton.unscale_and_check, interpret=interpret, donate=donate)
-    outs, found = sharding.shard_local(kernel, inv, list(leaves))
-    return (*outs, found)
+    return sharding.shard_local(kernel, inv, leaves)
 
 
-def _xla_check(*leaves: jax.Array) -> jax.Array:
-    return xla.has_nonfinite(list(leaves))
-
-
-def _pallas_check(*leaves: jax.Array, interpret: bool) -> jax.Array:
-    return sharding.shard_local_check(functools.partial(pallas_triton.check, interpret=interpret), list(leaves))
+def _pallas_check(leaves: list, *, interpret: bool) -> jax.Array:
+    return sharding.shard_local_check(functools.partial(pallas_triton.check, interpret=interpret), leaves)
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))
 def _check(work: list, *, backend: str) -> jax.Array:
+    """The check in one form per platform: the Pallas kernel on CUDA beside the XLA forms of
+    ``xla.CHECK_OF_PLATFORM`` for "auto" (one flat table, no conditional inside another)."""
     pallas = functools.partial(_pallas_check, interpret=backend == "interpret")
     if backend == "auto":
-        return lax.platform_dependent(*work, cuda=pallas, default=_xla_check)
-    return (_xla_check if backend == "xla" else pallas)(*work)
+        return per_platform({**xla.CHECK_OF_PLATFORM, "cuda": pallas}, work)
+    return xla.has_nonfinite(work) if backend == "xla" else pallas(work)
 
 
 def _check_backend(backend: str) -> None:
@@ -88,10 +90,8 @@ def _unscale_and_check(inv: jax.Array, work: list, *, backend: str, donate: bool
     """Jitted even when called eagerly, so sharded inputs always reach XLA's partitioner (see sharding.py)."""
     pallas = functools.partial(_pallas, interpret=backend == "interpret", donate=donate)
     if backend == "auto":
-        *outs, found = lax.platform_dependent(inv, *work, cuda=pallas, default=_xla)
-    else:
-        *outs, found = (_xla if backend == "xla" else pallas)(inv, *work)
-    return outs, found
+        return per_platform({**_xla_forms(), "cuda": pallas}, inv, work)
+    return per_platform(_xla_forms(), inv, work) if backend == "xla" else pallas(inv, work)
 
 
 def unscale_and_check(

@@ -84,9 +84,15 @@ def inverse(scale: Any) -> jax.Array:
     tiny = (bits & 0x7F800000) == 0  # exponent field 0: zero or subnormal
     big = scale > 2.0**126
     m = (bits & 0x7FFFFF).astype(jnp.float32)  # exact: m < 2**23
-    numerator = jnp.where(big, jnp.float32(_SHIFT), jnp.where(tiny, jnp.float32(_SUBNORMAL_ONE), jnp.float32(1.0)))
-    power = jnp.where(big, jnp.float32(1 / _SHIFT), jnp.where(tiny, jnp.float32(_SHIFT), jnp.float32(1.0)))
-    return jnp.stack([numerator / jnp.where(tiny, m, scale), power])
+
+    def pick(big_value, tiny_value, normal_value):
+        big_value, tiny_value, normal_value = (
+            jnp.full(scale.shape, np.float32(v)) for v in (big_value, tiny_value, normal_value)
+        )
+        return jax.lax.select(big, big_value, jax.lax.select(tiny, tiny_value, normal_value))
+
+    numerator = pick(_SHIFT, _SUBNORMAL_ONE, 1.0)
+    return jnp.stack([numerator / jax.lax.select(tiny, m, scale), pick(1 / _SHIFT, _SHIFT, 1.0)])
 
 
 def bits_dtype(dtype: Any) -> np.dtype:
@@ -117,13 +123,6 @@ class Spread:
         if key not in self._made:
             self._made[key] = jax.lax.full_like(like, jnp.asarray(scalar, dtype), dtype)
         return self._made[key]
-
-    def fork(self) -> Spread:
-        """A Spread that starts with this one's arrays: for a nested trace (a branch of
-        ``lax.platform_dependent``), whose own arrays must not leak into this one's."""
-        forked = Spread()
-        forked._made = dict(self._made)
-        return forked
 
 
 def once(x: jax.Array) -> jax.Array:

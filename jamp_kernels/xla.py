@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jamp_kernels import leafwise, sharding
+from jamp_kernels.platforms import per_platform
 
 VIEWS_PER_LOOP = 16
 """Equal-length views of the gradients that one fused loop of the CPU check reads side by side: 16 input
@@ -52,8 +53,8 @@ def unscale(grads: Any, inv_scale: Any) -> Any:
         [Array([1.], dtype=float32)]
     """
     leaves, treedef = leafwise.flatten(grads)
-    inv = leafwise.inv_scale_pair(inv_scale)
-    factor, power, keep = (leafwise.once(v) for v in (inv[0], inv[1], leafwise.keeps(inv[0], inv[1])))
+    factor, power = (leafwise.once(v) for v in leafwise.inv_scale_pair(inv_scale))
+    keep = leafwise.once(leafwise.keeps(factor, power))
     spread = leafwise.Spread()
 
     def scale(g):
@@ -130,4 +131,4 @@ def has_nonfinite(grads: Any) -> jax.Array:
     work = [g for g in leaves if leafwise.is_scaled(g)]
     if not work:
         return jnp.zeros((), jnp.bool_)
-    return jax.lax.platform_dependent(work, **CHECK_OF_PLATFORM)
+    return per_platform(CHECK_OF_PLATFORM, work)

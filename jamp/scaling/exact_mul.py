@@ -15,6 +15,7 @@ numpy on many random pairs).
 
 from __future__ import annotations
 
+import itertools
 import struct
 
 import jax
@@ -37,38 +38,36 @@ def from_words(words) -> float:
     return struct.unpack(">d", struct.pack(">II", hi, lo))[0]
 
 
-def _mul_limbs(a: list, b: list) -> list:
-    """Schoolbook product of little-endian 16-bit limbs held in uint32; returns 16-bit limbs."""
-    cols: list = [None] * (len(a) + len(b))  # column sums: at most 2 * len(a) terms below 2**16 each
-
-    def add(k, v):
-        cols[k] = v if cols[k] is None else cols[k] + v
-
-    for i, ai in enumerate(a):
-        for j, bj in enumerate(b):
-            p = ai * bj  # < 2**32: exact in uint32
-            add(i + j, p & 0xFFFF)
-            add(i + j + 1, p >> 16)
-    limbs, carry = [], None
-    for c in cols:
-        c = c if carry is None else c + carry
-        limbs.append(c & 0xFFFF)
-        carry = c >> 16
-    return [*limbs, carry]
+# The 16-bit half ``h`` of the product of x's limb ``i`` and the factor's limb ``j`` lands in column ``h + i + j``.
+_COLUMN = np.zeros((2, 2, 4, 6), np.uint32)
+for _h, _i, _j in itertools.product(range(2), range(2), range(4)):
+    _COLUMN[_h, _i, _j, _h + _i + _j] = 1
 
 
-def _field(words: dict, limbs: list, lo: int, n: int, back: jax.Array) -> jax.Array:
-    """Bits ``lo - back .. lo - back + n - 1`` (n <= 16, ``lo % 16 >= 1``) of a number given as 16-bit limbs;
-    ``words`` keeps the 32-bit words already formed, so that each is formed once."""
-    k, off = divmod(lo, 16)
-    if k not in words:
-        words[k] = limbs[k] | (limbs[k + 1] << 16)  # 32 bits starting at limb k
-    return (words[k] >> (off - back)) & ((1 << n) - 1)
+def _limbs(words: jax.Array) -> jax.Array:
+    """``(..., n)`` uint32 words as ``(..., 2n)`` little-endian 16-bit limbs."""
+    return jnp.stack([words & 0xFFFF, words >> 16], -1).reshape(*words.shape[:-1], -1)
+
+
+def _product_limbs(ms: jax.Array, f_lo: jax.Array, f_hi: jax.Array) -> list:
+    """``ms * (f_hi * 2**32 + f_lo)`` (24 by 53 bits) as six little-endian 16-bit limbs: the schoolbook
+    product of 16-bit limbs, every partial product exact in uint32, then one carry pass over the columns."""
+    a = _limbs(ms[..., None])
+    b = _limbs(jnp.stack([f_lo, f_hi], -1))
+    p = a[..., :, None] * b[..., None, :]  # < 2**32 each
+    columns = jnp.sum(jnp.stack([p & 0xFFFF, p >> 16], -3)[..., None] * _COLUMN, axis=(-4, -3, -2), dtype=_U32)
+
+    def carry_into(carry, column):
+        total = column + carry
+        return total >> 16, total & 0xFFFF
+
+    _, limbs = jax.lax.scan(carry_into, jnp.zeros_like(ms), jnp.moveaxis(columns, -1, 0), unroll=True)
+    return list(limbs)
 
 
 def _round_up(guard: jax.Array, sticky: jax.Array, kept: jax.Array) -> jax.Array:
     """Round-to-nearest-even increment: 1 when the dropped part is above half, or exactly half and odd."""
-    return (guard & (sticky.astype(_U32) | (kept & 1))).astype(_U32)
+    return guard & (sticky.astype(_U32) | (kept & 1))
 
 
 def mul_f32_f64(x: jax.Array, words: jax.Array) -> jax.Array:
@@ -77,51 +76,52 @@ def mul_f32_f64(x: jax.Array, words: jax.Array) -> jax.Array:
     The factor must be a positive finite double; subnormal factors give 0 (any float32 times one
     is far below the smallest float32 subnormal).
     """
-    x = jnp.asarray(x, jnp.float32)
+    xb = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), _U32)
     words = jnp.asarray(words, _U32)
-    xb = jax.lax.bitcast_convert_type(x, _U32)
     hi, lo = words[..., 0], words[..., 1]
+    select = jax.lax.select
 
     # x = ms * 2**(x_exp - 150) with ms normalized into [2**23, 2**24); subnormals shifted up.
-    x_field = ((xb >> 23) & 0xFF).astype(_I32)
+    x_field = (xb >> 23) & 0xFF
     x_man = xb & 0x7FFFFF
-    lz = jax.lax.clz(x_man).astype(_I32) - 8
+    lz = jax.lax.clz(x_man) - 8  # >= 1; 24 for a zero significand, which stays zero
     x_sub = x_field == 0
-    ms = jnp.where(x_sub, x_man << jnp.clip(lz, 0, 23).astype(_U32), x_man | 0x800000)
-    x_exp = jnp.where(x_sub, 1 - lz, x_field)
+    ms = select(x_sub, x_man << lz, x_man | 0x800000)
+    x_exp = select(x_sub, 1 - lz, x_field).astype(_I32)
 
-    # factor = mF * 2**(f_exp - 1075), mF in [2**52, 2**53).
+    # factor = mF * 2**(f_exp - 1075), mF = f_hi * 2**32 + lo in [2**52, 2**53).
     f_exp = ((hi >> 20) & 0x7FF).astype(_I32)
-    f_hi = (hi & 0xFFFFF) | 0x100000
-
-    p = _mul_limbs([ms & 0xFFFF, ms >> 16], [lo & 0xFFFF, lo >> 16, f_hi & 0xFFFF, f_hi >> 16])
+    l0, l1, l2, l3, l4, _ = _product_limbs(ms, lo, (hi & 0xFFFFF) | 0x100000)
     # The product lies in [2**75, 2**77); its fields are read one bit lower (``back``) when bit 76 is 0.
-    top = (p[4] >> 12) & 1
-    back, words = 1 - top, {}
+    top = (l4 >> 12) & 1
+    back = 1 - top
 
     # Bits 76..53 -> t24, 52..24 -> r29 (together the 53-bit double significand), 23 guard, rest sticky.
-    t24 = _field(words, p, 53, 16, back) | (_field(words, p, 69, 8, back) << 16)
-    r29 = _field(words, p, 24, 16, back) | (_field(words, p, 40, 13, back) << 16)
-    guard = _field(words, p, 23, 1, back)
-    sticky = (p[0] | (p[1] & (0x7F >> back))) != 0
+    t24 = ((l3 | (l4 << 16)) >> (5 - back)) & 0xFFFFFF
+    r29 = (((l1 | (l2 << 16)) >> (8 - back)) | (l3 << (24 + back))) & 0x1FFFFFFF
+    guard = (l1 >> (7 - back)) & 1
+    sticky = (l0 | (l1 & (0x7F >> back))) != 0
     r29 = r29 + _round_up(guard, sticky, r29)  # round to 53 bits
     t24 = t24 + (r29 >> 29)
-    r29 = r29 & ((1 << 29) - 1)
+    r29 = r29 & 0x1FFFFFFF
 
     # Round to float32: keep 24 bits (fewer in the subnormal range, `sh` more dropped).
     biased = x_exp + f_exp + top.astype(_I32) - 1023
-    sh = jnp.clip(1 - biased, 0, 26).astype(_U32)
+    sh = jax.lax.clamp(np.int32(0), 1 - biased, np.int32(26)).astype(_U32)
     u = (t24 << 1) | (r29 >> 28)  # t24 followed by the guard bit of the normal case
     kept = u >> (sh + 1)
-    g = (u >> sh) & 1
-    s = ((u & ((1 << sh) - 1)) | (r29 & ((1 << 28) - 1))) != 0
-    kept = kept + _round_up(g, s, kept)
-    exp_field = (jnp.clip(biased, 1, 255) - 1).astype(_U32)
-    out = jnp.minimum((exp_field << 23) + kept, 0x7F800000)  # the adder carries into the exponent; cap at inf
+    sticky = ((u & ((1 << sh) - 1)) | (r29 & 0xFFFFFFF)) != 0
+    kept = kept + _round_up((u >> sh) & 1, sticky, kept)
+    exp_field = (jax.lax.clamp(np.int32(1), biased, np.int32(255)) - 1).astype(_U32)
+    out = jnp.minimum((exp_field << 23) + kept, _u32(0x7F800000))  # the adder carries into the exponent; cap at inf
 
     is_zero = (x_sub & (x_man == 0)) | (f_exp == 0)  # zero times anything, or a subnormal factor
-    out = jnp.where(is_zero, 0, out)
-    inf_or_nan = xb & 0x7FFFFFFF
-    out = jnp.where(x_field == 0xFF, jnp.where(x_man == 0, inf_or_nan, inf_or_nan | 0x400000), out)  # NaN made quiet
-    out = out | (xb & _SIGN)
-    return jax.lax.bitcast_convert_type(out, jnp.float32)
+    inf_or_nan = (xb & 0x7FFFFFFF) | select(x_man == 0, _u32(0, x_man), _u32(0x400000, x_man))  # NaN made quiet
+    out = select(x_field == 0xFF, inf_or_nan, select(is_zero, _u32(0, out), out))
+    return jax.lax.bitcast_convert_type(out | (xb & _SIGN), jnp.float32)
+
+
+def _u32(value: int, like: jax.Array | None = None) -> jax.Array:
+    """A uint32 constant, broadcast to ``like``'s shape when given (``lax.select`` broadcasts nothing)."""
+    c = np.uint32(value)
+    return c if like is None else jnp.full(jnp.shape(like), c)

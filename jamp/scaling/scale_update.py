@@ -16,29 +16,28 @@ then every update is NaN with found_inf False); it stops at the smallest positiv
 inverse :func:`jamp_kernels.inverse` gives exactly. ``==`` is exact: a tracker already past the interval (after ``load_state_dict``) counts on and never
 grows until a backoff resets it, as in torch. Comparisons and selections work on the float32 bits as
 integers: XLA flushes subnormals to zero in float compares and turns compare+select into max/min
-instructions, which would lose torch's subnormal scales.
+instructions, which would lose torch's subnormal scales; an integer max or min of the bits cannot.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jamp.scaling import exact_mul
 from jamp.scaling.state import ScalerState
 from jamp_kernels import leafwise
 
 _ONE = exact_mul.to_words(1.0)
-_SMALLEST = 1  # the bits of the smallest positive float32, 2**-149
+_SMALLEST = np.int32(1)  # the bits of the smallest positive float32, 2**-149
+_EXPONENT = np.int32(0x7F800000)
 
 
 def _bits(x: jax.Array) -> jax.Array:
+    """float32 bits as int32: for the non-negative floats here (scales, bounds, products) they order as the floats do,
+    subnormals included."""
     return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
-
-
-def _key(b: jax.Array) -> jax.Array:
-    """An int32 ordered as the float32 with bits ``b`` (a positive NaN sorts above inf)."""
-    return jnp.where(b < 0, b ^ 0x7FFFFFFF, b)
 
 
 def next_scale(state: ScalerState, found_inf: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -47,19 +46,23 @@ def next_scale(state: ScalerState, found_inf: jax.Array) -> tuple[jax.Array, jax
     One product, ``scale`` times the factor of the outcome (1.0 on HOLD, whose result is ``scale`` itself), then
     the clamps of the outcome: one multiply in the program instead of one per factor.
     """
+    select = jax.lax.select
     counted = state.growth_tracker + 1
     grow = ~found_inf & (counted == state.growth_interval)
 
     def pick(c, a, b):  # the factors are (high, low) word pairs
-        return jnp.where(c[..., None], a, b)
+        return select(jax.lax.broadcast_in_dim(c, jnp.shape(a), tuple(range(jnp.ndim(c)))), a, b)
 
-    factor = pick(found_inf, state.backoff_factor, pick(grow, state.growth_factor, _ONE))
+    factor = pick(
+        found_inf,
+        state.backoff_factor,
+        pick(grow, state.growth_factor, jnp.broadcast_to(_ONE, jnp.shape(state.growth_factor))),
+    )
     product = _bits(exact_mul.mul_f32_f64(state.scale, factor))
     scale, lo, hi = _bits(state.scale), _bits(state.min_scale), _bits(state.max_scale)
-    backed = jnp.where(_key(product) < _key(lo), lo, product)
-    backed = jnp.where(backed == 0, _SMALLEST, backed)  # torch's rule reaches 0, whose inverse makes NaN updates
-    finite = (product & 0x7F800000) != 0x7F800000
-    grown = jnp.where(finite, jnp.where(_key(product) > _key(hi), hi, product), scale)
-    new_scale = jnp.where(found_inf, backed, jnp.where(grow, grown, scale))
+    backed = jnp.maximum(product, lo)  # integer max: exact for subnormals, which a float max would flush
+    backed = jnp.maximum(backed, _SMALLEST)  # torch's rule reaches 0, whose inverse makes NaN updates
+    grown = select((product & _EXPONENT) != _EXPONENT, jnp.minimum(product, hi), scale)  # inf: keep the scale
+    new_scale = select(found_inf, backed, select(grow, grown, scale))
     new_scale = leafwise.once(jax.lax.bitcast_convert_type(new_scale, jnp.float32))  # read by several outputs
-    return new_scale, jnp.where(found_inf | grow, 0, counted)
+    return new_scale, select(found_inf | grow, jnp.zeros_like(counted), counted)

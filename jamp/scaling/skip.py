@@ -26,14 +26,17 @@ computed count feeds is an update, zeroed on a skipped step, or a state leaf, se
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jamp import _jax_compat as jc
 from jamp_kernels import leafwise
+from jamp_kernels.platforms import per_platform
 
 
 def _select(skip: jax.Array, old: Any, new: Any) -> jax.Array:
@@ -55,10 +58,6 @@ class Traced(NamedTuple):
     out_tree: Any
     n_updates: int
 
-    def __call__(self) -> list:
-        """The update's flat outputs, its equations bound again (what the user's ``update`` would bind)."""
-        return jc.evaluate(self.closed.jaxpr, self.closed.consts, self.args)
-
 
 def trace(update: Callable, grads: Any, state: Any, params: Any, extra: dict) -> Traced:
     """``update(grads, state, params, **extra)`` as a :class:`Traced`; extras that are not arrays are static."""
@@ -77,70 +76,69 @@ def zero_where(skip: jax.Array, x: jax.Array, zeros: leafwise.Spread) -> jax.Arr
     return jax.lax.select(skip, zeros("-0", -0.0, x), x) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
-def _zero_where(skip: jax.Array, updates: list, zeros: leafwise.Spread) -> list:
-    return [zero_where(skip, u, zeros) for u in updates]
+def select_where_produced(selected: jax.Array, computed: jax.Array) -> jax.Array:
+    """The form off CUDA: later equations read the state leaf selected as soon as it is produced (the module
+    docstring says why)."""
+    return selected
 
 
-def select_where_produced(traced: Traced, skip: jax.Array, state: Any, zeros: leafwise.Spread):
-    """The traced update's ``(updates, state)``, or ``(zeros, state)`` bit for bit where ``skip`` is True;
-    each state leaf is selected as soon as it is produced (the module docstring says why)."""
+def select_after(selected: jax.Array, computed: jax.Array) -> jax.Array:
+    """The form on CUDA: later equations read the leaf as computed, and only the returned leaf is selected, a
+    select that XLA:GPU fuses into the kernel that produces the leaf."""
+    return computed
+
+
+# Which form each platform runs (benchmarks/scaler_overhead.py measures both): on XLA:CPU a select after
+# the update makes XLA copy every moment first (see above); XLA:GPU fuses it (1.09x bare Adam against 1.16x
+# on an H100, docs/performance.md). The forms differ only in what the equations after a state leaf read.
+FORM_OF_PLATFORM = {"cuda": select_after, "default": select_where_produced}
+
+
+def _form_index() -> Any:
+    """The index in :data:`FORM_OF_PLATFORM` of the platform the program is lowered for: one scalar for the whole
+    update (a bool for two forms), a constant once lowered, so that XLA folds away every ``select_n`` on it."""
+    if len(FORM_OF_PLATFORM) == 1:
+        return None
+    index = per_platform({p: functools.partial(np.int32, i) for i, p in enumerate(FORM_OF_PLATFORM)})
+    return index.astype(jnp.bool_) if len(FORM_OF_PLATFORM) == 2 else index
+
+
+def step_or_skip(traced: Traced, skip: jax.Array, state: Any, spread: leafwise.Spread):
+    """The traced update's ``(updates, state)``, or ``(zeros, state)`` bit for bit where ``skip`` is True.
+
+    The update's equations are bound once. Each state leaf is selected against the old one as soon as it is
+    produced; later equations read what :data:`FORM_OF_PLATFORM`'s form for the lowered platform says, except
+    scalar leaves (a step count), read as computed (the module docstring says why). ``spread`` holds the scalars
+    the caller already broadcast (the -0.0 of zeroed gradients, one per shape and dtype).
+    """
     jaxpr, olds = traced.closed.jaxpr, jax.tree.leaves(state)
     state_vars = jaxpr.outvars[traced.n_updates :]
     old_of: dict = {}  # state output computed by an equation -> the old leaf it replaces (first occurrence)
     for v, old in zip(state_vars, olds):
         if isinstance(v, jc.Var) and v not in jaxpr.invars and v not in old_of:
             old_of[v] = old
-
-    computed: dict = {}  # state outputs as inner computed them
-    selected: dict = {}  # the same, selected against the old leaf they replace
+    selected: dict = {}  # such a state output, selected: the leaf returned for it
+    forms, which = list(FORM_OF_PLATFORM.values()), _form_index()
 
     def select_as_produced(eqn, invals: list) -> list:
         outs = jc.bind(eqn, invals)
         for i, (v, out) in enumerate(zip(eqn.outvars, outs)):
             if v in old_of:
-                computed[v] = out
                 selected[v] = _select(skip, old_of[v], out)
-                if jnp.ndim(out):  # later uses read the selected leaf; scalars: see the module docstring
-                    outs[i] = selected[v]
+                if jnp.ndim(out):  # each leaf's select reads the index broadcast once per shape
+                    reads = [form(selected[v], out) for form in forms]
+                    outs[i] = (
+                        reads[0] if which is None else jax.lax.select_n(spread("form", which, out, which.dtype), *reads)
+                    )
         return outs
 
     env: dict = {}
     jc.evaluate(jaxpr, traced.closed.consts, traced.args, select_as_produced, env)
 
-    def read(v):
-        return jc.read(env, v)
-
     def new_leaf(v, old):
         if isinstance(v, jc.Var) and old_of.get(v) is old:
             return selected[v]
-        return _select(skip, old, computed[v] if isinstance(v, jc.Var) and v in computed else read(v))
+        return _select(skip, old, jc.read(env, v))
 
-    updates = _zero_where(skip, [jnp.asarray(read(v)) for v in jaxpr.outvars[: traced.n_updates]], zeros)
+    updates = [zero_where(skip, jnp.asarray(jc.read(env, v)), spread) for v in jaxpr.outvars[: traced.n_updates]]
     return jax.tree.unflatten(traced.out_tree, updates + [new_leaf(v, old) for v, old in zip(state_vars, olds)])
-
-
-def select_after(traced: Traced, skip: jax.Array, state: Any, zeros: leafwise.Spread):
-    """The same result as :func:`select_where_produced`: run the update, then select every state leaf and
-    zero the updates. XLA:GPU fuses each select into the kernel that produces the leaf."""
-    outs = traced()
-    updates = _zero_where(skip, [jnp.asarray(u) for u in outs[: traced.n_updates]], zeros)
-    selected = [_select(skip, old, new) for old, new in zip(jax.tree.leaves(state), outs[traced.n_updates :])]
-    return jax.tree.unflatten(traced.out_tree, updates + selected)
-
-
-# Which form each platform runs (benchmarks/scaler_overhead.py measures both): on XLA:CPU a select after
-# the update makes XLA copy every moment first (see above); XLA:GPU fuses it.
-FORM_OF_PLATFORM = {"cuda": select_after, "default": select_where_produced}
-
-
-def step_or_skip(traced: Traced, skip: jax.Array, state: Any, zeros: leafwise.Spread):
-    """The traced update's ``(updates, state)``, or ``(zeros, state)`` bit for bit where ``skip`` is True, in
-    the form :data:`FORM_OF_PLATFORM` picks for the platform the program is lowered for. The update was traced
-    once; each form binds its equations again. ``zeros`` holds the -0.0 arrays the caller already made (one
-    per shape and dtype)."""
-
-    def branch(form):
-        return lambda: form(traced, skip, state, zeros.fork())
-
-    branches = {platform: branch(form) for platform, form in FORM_OF_PLATFORM.items()}
-    return jax.lax.platform_dependent(**branches)

@@ -65,7 +65,8 @@ def _saturating_increment(count: jax.Array, by: jax.Array) -> jax.Array:
 def track(state: ScalerState, found_inf: jax.Array, new_scale: jax.Array) -> dict:
     """The new ``consecutive_skips``, ``warned`` and ``skip_episodes`` after an update that saw ``found_inf``
     and moved the scale to ``new_scale``, under the state's thresholds."""
-    skips = jnp.where(found_inf, _saturating_increment(state.consecutive_skips, found_inf), 0)
+    counted = _saturating_increment(state.consecutive_skips, found_inf)
+    skips = jax.lax.select(found_inf, counted, jnp.zeros_like(counted))
     long_run = (state.warn_after_skips > 0) & (skips >= state.warn_after_skips)
     # a floor of 0 (off) has the bits 0, below which no positive scale falls
     floor = _bits(state.warn_below_scale)

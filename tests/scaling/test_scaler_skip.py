@@ -120,16 +120,15 @@ def _reached_from(jaxpr, invar) -> set:
     return reached
 
 
-def test_moments_are_read_selected_and_the_step_count_as_computed():
+def test_moments_are_read_selected_and_the_step_count_as_computed(monkeypatch):
     """select_where_produced: the parameter update reads Adam's moments selected (each moment loop writes in
     place, nothing is copied), and the bias correction reads the count as computed, so it does not wait
     for the finite check (jamp/scaling/skip.py says what that wait cost on XLA:CPU)."""
     adam = optax.adam(1e-2)
     state = adam.init(PARAMS)
+    monkeypatch.setattr(skip, "FORM_OF_PLATFORM", {"default": skip.select_where_produced})
     closed = jax.make_jaxpr(
-        lambda found_inf, g, s, p: skip.select_where_produced(
-            skip.trace(adam.update, g, s, p, {}), found_inf, s, Spread()
-        )
+        lambda found_inf, g, s, p: skip.step_or_skip(skip.trace(adam.update, g, s, p, {}), found_inf, s, Spread())
     )(True, GRADS, state, PARAMS)
     jaxpr = closed.jaxpr
     count = jaxpr.invars[1 + len(GRADS)]  # found_inf, the grads, then the state: Adam's count first
