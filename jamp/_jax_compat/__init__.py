@@ -23,6 +23,7 @@ from jax.extend import core as jcore
 from jax.extend import linear_util as lu
 
 from jamp._jax_compat.equations import *  # noqa: F403 (the one evaluation loop, re-exported)
+from jamp._jax_compat.fused import one_equation  # noqa: F401 (re-exported)
 from jamp._jax_compat.loops import *  # noqa: F403 (scan, while and shard_map parameters, re-exported)
 from jamp._jax_compat.primitives import *  # noqa: F403 (the higher-order primitives and their parameters)
 from jamp._jax_compat.scopes import *  # noqa: F403 (source information, name stacks)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jamp import _jax_compat as jc
 from jamp.scaling import exact_mul
 from jamp.scaling.state import ScalerState
 from jamp_kernels import leafwise
@@ -40,29 +41,45 @@ def _bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
 
 
-def next_scale(state: ScalerState, found_inf: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(scale, growth_tracker)`` after an update that saw ``found_inf``.
+def _rule(scale, tracker, interval, growth_factor, backoff_factor, min_scale, max_scale, found_inf):
+    """The table above on the state's fields: ``(scale, growth_tracker)``.
 
     One product, ``scale`` times the factor of the outcome (1.0 on HOLD, whose result is ``scale`` itself), then
     the clamps of the outcome: one multiply in the program instead of one per factor.
     """
     select = jax.lax.select
-    counted = state.growth_tracker + 1
-    grow = ~found_inf & (counted == state.growth_interval)
+    counted = tracker + 1
+    grow = ~found_inf & (counted == interval)
 
     def pick(c, a, b):  # the factors are (high, low) word pairs
         return select(jax.lax.broadcast_in_dim(c, jnp.shape(a), tuple(range(jnp.ndim(c)))), a, b)
 
-    factor = pick(
-        found_inf,
-        state.backoff_factor,
-        pick(grow, state.growth_factor, jnp.broadcast_to(_ONE, jnp.shape(state.growth_factor))),
-    )
-    product = _bits(exact_mul.mul_f32_f64(state.scale, factor))
-    scale, lo, hi = _bits(state.scale), _bits(state.min_scale), _bits(state.max_scale)
+    one = jnp.broadcast_to(_ONE, jnp.shape(growth_factor))
+    product = _bits(exact_mul.mul_f32_f64(scale, pick(found_inf, backoff_factor, pick(grow, growth_factor, one))))
+    old, lo, hi = _bits(scale), _bits(min_scale), _bits(max_scale)
     backed = jnp.maximum(product, lo)  # integer max: exact for subnormals, which a float max would flush
     backed = jnp.maximum(backed, _SMALLEST)  # torch's rule reaches 0, whose inverse makes NaN updates
-    grown = select((product & _EXPONENT) != _EXPONENT, jnp.minimum(product, hi), scale)  # inf: keep the scale
-    new_scale = select(found_inf, backed, select(grow, grown, scale))
+    grown = select((product & _EXPONENT) != _EXPONENT, jnp.minimum(product, hi), old)  # inf: keep the scale
+    new_scale = select(found_inf, backed, select(grow, grown, old))
     new_scale = leafwise.once(jax.lax.bitcast_convert_type(new_scale, jnp.float32))  # read by several outputs
     return new_scale, select(found_inf | grow, jnp.zeros_like(counted), counted)
+
+
+# torch's one kernel, one equation in the update's jaxpr (jamp._jax_compat.fused says why)
+_update_scale = jc.one_equation("amp_update_scale", _rule, (jnp.float32, jnp.int32))
+
+
+def next_scale(state: ScalerState, found_inf: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(scale, growth_tracker)`` after an update that saw ``found_inf``: :func:`_rule` as one equation,
+    ``amp_update_scale``, named after torch's ``_amp_update_scale_``."""
+    scale, tracker = _update_scale(
+        state.scale,
+        state.growth_tracker,
+        state.growth_interval,
+        state.growth_factor,
+        state.backoff_factor,
+        state.min_scale,
+        state.max_scale,
+        found_inf,
+    )
+    return scale, tracker

@@ -15,7 +15,7 @@ import pytest
 from helpers import eqns, lower_for_cuda
 
 import jamp
-from jamp.scaling import skip
+from jamp.scaling import scale_update, skip
 from jamp_kernels import xla
 
 PARAMS = {"w": jnp.ones((3, 4)), "b": jnp.ones(4)}
@@ -73,3 +73,21 @@ def test_lowered_for_cuda_the_step_reads_moments_as_computed_and_checks_with_the
     state = tx.init(PARAMS)
     text = lower_for_cuda(tx.update, PARAMS, state, PARAMS).as_text()
     assert "triton" in text.lower()
+
+
+def test_the_scale_rule_is_one_equation_that_transformations_go_through():
+    """torch's ``_amp_update_scale_`` is one kernel, and the update shows one ``amp_update_scale`` equation; vmap over
+    stacked states gives each state's own rule, and a derivative of the rule is zero (it computes on the scale's bits)."""
+    tx = jamp.scaler(optax.sgd(0.1), init_scale=4.0, growth_interval=1)
+    closed = _update_jaxpr(tx)
+    assert [e.primitive.name for e in closed.jaxpr.eqns].count("amp_update_scale") == 1
+    assert sum(e.primitive.name == "amp_update_scale" for e in eqns(closed)) == 1
+
+    states = jax.vmap(lambda _: tx.init(PARAMS))(jnp.arange(2))
+    grads = {"w": jnp.stack([jnp.ones((3, 4)), jnp.full((3, 4), jnp.inf)]), "b": jnp.ones((2, 4))}
+    _, new = jax.vmap(lambda g, s: tx.update(g, s))(grads, states)
+    assert new.scale.tolist() == [8.0, 2.0] and new.growth_tracker.tolist() == [0, 0]
+
+    state = tx.init(PARAMS)
+    rule = lambda scale: scale_update.next_scale(state._replace(scale=scale), jnp.bool_(False))[0]
+    assert float(jax.grad(rule)(jnp.float32(4.0))) == 0.0  # as the bits it computes on were before
