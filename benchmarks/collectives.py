@@ -1,0 +1,155 @@
+"""What crosses devices in a sharded training step, and how much a bfloat16 reduction costs the gradients (issue 45).
+
+The GPT of benchmarks/gpt_model.py (float32 parameters) under ``jax.jit(jax.grad(loss))`` on host CPU devices,
+in two shardings: data parallel (parameters replicated, batch sharded) and FSDP (each parameter's first axis that
+the device count divides sharded too), and three programs: float32; hand-cast (flax's ``dtype=bfloat16``, the
+parameters cast inside each layer); ``jamp.autocast(loss, dtype=bfloat16)``. For each it prints the collectives
+:func:`jamp.collectives` reads right after SPMD partitioning (kind, dtype, count, bytes per device: what a GPU
+would send; XLA:CPU widens bfloat16 all-reduces later), then the relative error of the reduced gradients:
+
+* each device's partial gradient (the gradient of its share of the batch, as that program computes it) is summed
+  as a ring reduction does, rounding to the dtype the program's gradient all-reduces have after every hop, and
+  compared with the float64 sum of the same partials (the reduction's own error, nothing else);
+* at 8 partials (the devices here) and at 256 (one per sequence of a 256-sequence batch: a large data-parallel
+  job), where a bfloat16 sum has rounded 255 times. Every leaf is rounded to the dtype of the program's largest
+  gradient all-reduces (the weights'): for the bfloat16 programs, whose norm and bias gradients cross in float32,
+  an upper bound.
+
+    python benchmarks/collectives.py [--devices 8] [--layers 2] [--d-model 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", type=int, default=8, help="host CPU devices (set before JAX starts)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--many", type=int, default=256, help="partials of the large simulated reduction")
+    return ap.parse_args()
+
+
+ARGS = _args() if __name__ == "__main__" else None
+if ARGS is not None:  # before jax is imported
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={ARGS.devices}"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from gpt_model import Decoder  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jamp  # noqa: E402
+
+
+class Config:
+    def __init__(self, layers: int, d_model: int, seq: int):
+        self.layers, self.d_model, self.heads, self.seq = layers, d_model, 4, seq
+        self.d_mlp, self.vocab, self.tied = 4 * d_model, 512, False
+
+
+def losses(config: Config) -> dict:
+    """name -> loss(params, tokens, targets), all on the same float32 parameters."""
+
+    def loss_of(model):
+        def loss(params, tokens, targets):
+            logits = model.apply(params, tokens).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+        return loss
+
+    float32 = loss_of(Decoder(config))
+    return {
+        "float32": float32,
+        "hand-cast (flax dtype=bfloat16)": loss_of(Decoder(config, jnp.bfloat16)),
+        "jamp.autocast(bfloat16)": jamp.autocast(float32, dtype=jnp.bfloat16),
+    }
+
+
+def shardings(params, mesh, n: int) -> dict:
+    """name -> the parameters placed for that sharding."""
+
+    def fsdp(x):
+        axis = next((i for i, size in enumerate(x.shape) if size % n == 0), None)
+        spec = [None] * x.ndim
+        if axis is not None:
+            spec[axis] = "data"
+        return P(*spec)
+
+    def place(spec_of):
+        return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec_of(x))), params)
+
+    return {"data parallel": place(lambda x: P()), "FSDP": place(fsdp)}
+
+
+def ring_error(partials, dtype) -> float:
+    """Relative error (L2 over every leaf) of summing ``partials`` (an iterable of trees of float32 arrays) one hop
+    at a time, rounded to ``dtype`` after each, against their float64 sum."""
+    exact = acc = None
+    for tree in partials:
+        flat = np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
+        if acc is None:
+            exact, acc = flat, flat.astype(dtype)
+        else:
+            exact = exact + flat
+            acc = (acc.astype(np.float32) + flat.astype(dtype).astype(np.float32)).astype(dtype)
+    return float(np.linalg.norm(acc.astype(np.float64) - exact) / np.linalg.norm(exact))
+
+
+def partial_grads(loss, params, tokens, targets, parts: int):
+    """The gradient of each of ``parts`` equal shares of the batch, scaled so that they sum to the batch's."""
+    grad = jax.jit(jax.grad(loss))
+    for i in range(parts):
+        yield jax.tree.map(lambda g: g / parts, grad(params, tokens[i::parts], targets[i::parts]))
+
+
+def main() -> None:
+    n = len(jax.devices())
+    config = Config(ARGS.layers, ARGS.d_model, ARGS.seq)
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    key_t, key_y, key_p = jax.random.split(jax.random.key(0), 3)
+    batch = max(ARGS.many, n)
+    tokens = jax.random.randint(key_t, (batch, config.seq), 0, config.vocab)
+    targets = jax.random.randint(key_y, (batch, config.seq), 0, config.vocab)
+    params = Decoder(config).init(key_p, tokens[:1])
+    data = NamedSharding(mesh, P("data"))
+    print(
+        f"jax {jax.__version__}, {n} {jax.devices()[0].platform} devices; GPT {config.layers} layers, "
+        f"d_model {config.d_model}, {sum(x.size for x in jax.tree.leaves(params)):,} float32 parameters"
+    )
+    rows = []
+    for loss_name, loss in losses(config).items():
+        errors = {}
+        for sharding_name, placed in shardings(params, mesh, n).items():
+            found = jamp.collectives(
+                jax.jit(jax.grad(loss)), placed, *(jax.device_put(x, data) for x in (tokens, targets))
+            )
+            reduced = {r.dtype for r in found if r.kind in ("all-reduce", "reduce-scatter") and r.bytes > 8}
+            dtype = jnp.bfloat16 if "bfloat16" in reduced else np.float32
+            if not errors:
+                errors = {
+                    parts: ring_error(partial_grads(loss, params, tokens, targets, parts), dtype)
+                    for parts in (n, ARGS.many)
+                }
+            kinds = "; ".join(f"{r.kind} {r.dtype} x{r.count} ({r.bytes:,} B)" for r in found)
+            rows.append((sharding_name, loss_name, kinds, errors[n], errors[ARGS.many]))
+    print()
+    print(
+        f"| sharding | program | collectives after partitioning (per device) | reduction error, {n} partials "
+        f"| {ARGS.many} partials |"
+    )
+    print("|---|---|---|---|---|")
+    for sharding_name, loss_name, kinds, few, many in rows:
+        print(f"| {sharding_name} | {loss_name} | {kinds} | {few:.1e} | {many:.1e} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
