@@ -54,8 +54,14 @@ def bind(eqn: jcore.JaxprEqn, invals: Sequence, **updates: Any) -> list:
 
 def bind_primitive(primitive: jcore.Primitive, invals: Sequence, params: dict) -> list:
     """``primitive`` bound on ``invals`` with the parameters an equation of it records; its outputs as a list."""
-    outs = primitive.bind(*invals, **primitive.get_bind_params(params))
+    outs = bind_as(primitive, invals, primitive.get_bind_params(params))
     return list(outs) if primitive.multiple_results else [outs]
+
+
+def bind_as(primitive: jcore.Primitive, invals: Sequence, params: dict) -> Any:
+    """``primitive`` bound on ``invals`` with ``params`` already in the form it binds with (:func:`bind_params`);
+    its result as the primitive returns it (a list for a primitive of several results)."""
+    return primitive.bind(*invals, **params)
 
 
 def run(eqns: Iterable[jcore.JaxprEqn], env: dict, hook: Hook = bind, scopes: int = 0) -> None:
@@ -80,6 +86,7 @@ def evaluate(jaxpr: jcore.Jaxpr, consts: Sequence, args: Sequence, hook: Hook = 
 __all__ = [
     "Hook",
     "bind",
+    "bind_as",
     "bind_params",
     "bind_primitive",
     "equation_context",

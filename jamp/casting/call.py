@@ -115,7 +115,7 @@ class Call:
         invals = accumulation.broadcast_in_float32(
             self.eqn, self.invals if invals is None else invals, self.env.float32_of
         )
-        params = {**self.eqn.params, **param_updates}
+        params = jc.bind_params(self.eqn, **param_updates)
         low = accumulation.widened_dtype(self.eqn, invals)
         if low is None:
             return self.bind_with(invals, params)
@@ -133,8 +133,9 @@ class Call:
         return self.env.cast(x, dtype)
 
     def bind_with(self, invals, params: dict):
-        """Bind with exactly ``params`` (higher-order primitives pass ``get_bind_params`` output); a dot whose
-        algorithm a platform refuses runs there in a form it accepts (:mod:`jamp.casting.portable_dots`)."""
+        """Bind with exactly ``params``, in the form the primitive binds with (``jc.bind_params`` of the equation,
+        or a higher-order rule's own); a dot whose algorithm a platform refuses runs there in a form it accepts
+        (:mod:`jamp.casting.portable_dots`). Through ``jc.bind_as``, the one place equations are bound."""
         self.bound = invals
         return portable_dots.bind(self.eqn.primitive, invals, params)
 

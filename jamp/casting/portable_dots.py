@@ -69,7 +69,8 @@ def holds_refused(jaxpr: Any) -> bool:
 
 
 def bind(primitive: Any, invals: list, params: dict) -> Any:
-    """``primitive.bind(*invals, **params)``, portable to the platforms that refuse its dot algorithm."""
+    """``primitive`` bound on ``invals`` with ``params`` in bind form (:func:`jamp._jax_compat.bind_as`), portable to
+    the platforms that refuse its dot algorithm."""
     platforms = refusing(primitive, invals, params)
     as_written = functools.partial(_bind, primitive, params)
     if not platforms:
@@ -80,7 +81,7 @@ def bind(primitive: Any, invals: list, params: dict) -> Any:
 
 
 def _bind(primitive: Any, params: dict, *invals) -> Any:
-    return primitive.bind(*invals, **params)
+    return jc.bind_as(primitive, invals, params)
 
 
 def _portable(primitive: Any, params: dict, out_dtype: Any, *invals) -> Any:
@@ -90,5 +91,5 @@ def _portable(primitive: Any, params: dict, out_dtype: Any, *invals) -> Any:
     lhs, rhs = (jax.lax.convert_element_type(x, t) for x, t in zip(invals, (lhs_type, rhs_type)))
     accumulation = params.get("preferred_element_type") if accumulation is None else np.dtype(accumulation)
     updates = {"precision": HIGHEST, "preferred_element_type": accumulation}
-    out = primitive.bind(lhs, rhs, *invals[2:], **{**params, **updates})
+    out = jc.bind_as(primitive, [lhs, rhs, *invals[2:]], {**params, **updates})
     return jax.lax.convert_element_type(out, out_dtype)

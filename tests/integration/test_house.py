@@ -107,6 +107,12 @@ def _internal_reads(path: Path) -> list[str]:
         where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
         if isinstance(node, ast.Attribute) and node.attr in _INTERNAL_ATTRIBUTES:
             found.append(f"{where} .{node.attr}: {_INTERNAL_ATTRIBUTES[node.attr]}")
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "bind"
+            and ast.unparse(node.value).endswith(("primitive", "_p"))
+        ):
+            found.append(f"{where} {ast.unparse(node)}: a primitive bound (jc.bind_as is the one place)")
         elif isinstance(node, ast.Attribute) and node.attr == "ctx" and ast.unparse(node.value).endswith("eqn"):
             found.append(f"{where} {ast.unparse(node)}: an equation's context managers")
         elif isinstance(node, ast.Subscript):

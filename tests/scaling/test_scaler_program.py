@@ -46,6 +46,7 @@ def test_no_platform_choice_sits_inside_another():
         assert not any(_is_platform_choice(e) for e in inner)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="compiles the step for the CPU and reads its program")
 @pytest.mark.parametrize("backend", ["auto", "xla"])
 def test_a_compiled_step_keeps_only_its_platforms_forms(backend, monkeypatch):
     """Lowered for the CPU, the step is the program of the CPU's forms alone: no conditional, no Pallas kernel,
