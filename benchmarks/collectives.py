@@ -2,8 +2,9 @@
 
 The GPT of benchmarks/gpt_model.py (float32 parameters) under ``jax.jit(jax.grad(loss))`` on host CPU devices,
 in two shardings: data parallel (parameters replicated, batch sharded) and FSDP (each parameter's first axis that
-the device count divides sharded too), and three programs: float32; hand-cast (flax's ``dtype=bfloat16``, the
-parameters cast inside each layer); ``jamp.autocast(loss, dtype=bfloat16)``. For each it prints the collectives
+the device count divides sharded too), and four programs: float32; hand-cast (flax's ``dtype=bfloat16``, the
+parameters cast inside each layer); ``jamp.autocast(loss, dtype=bfloat16)`` (its gradients reduced in float32, the
+default ``reduce_dtype``); the same with ``reduce_dtype=bfloat16``. For each it prints the collectives
 :func:`jamp.collectives` reads right after SPMD partitioning (kind, dtype, count, bytes per device: what a GPU
 would send; XLA:CPU widens bfloat16 all-reduces later), then the relative error of the reduced gradients:
 
@@ -13,9 +14,12 @@ would send; XLA:CPU widens bfloat16 all-reduces later), then the relative error 
 * at 8 partials (the devices here) and at 256 (one per sequence of a 256-sequence batch: a large data-parallel
   job), where a bfloat16 sum has rounded 255 times. Every leaf is rounded to the dtype of the program's largest
   gradient all-reduces (the weights'): for the bfloat16 programs, whose norm and bias gradients cross in float32,
-  an upper bound.
+  an upper bound;
 
-    python benchmarks/collectives.py [--devices 8] [--layers 2] [--d-model 128]
+and the median time of one compiled step on this host (XLA:CPU widens bfloat16 all-reduces to float32, so a CPU
+sends the same bytes either way: the time says what the program costs here, not what a GPU's network would).
+
+    python benchmarks/collectives.py [--devices 8] [--layers 2] [--d-model 128] [--repeats 10]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 
 def _args() -> argparse.Namespace:
@@ -32,6 +37,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--many", type=int, default=256, help="partials of the large simulated reduction")
+    ap.add_argument("--batch", type=int, default=64, help="sequences of the timed and partitioned step")
+    ap.add_argument("--repeats", type=int, default=10, help="timed calls of each step (the median is printed)")
     return ap.parse_args()
 
 
@@ -71,6 +78,9 @@ def losses(config: Config) -> dict:
         "float32": float32,
         "hand-cast (flax dtype=bfloat16)": loss_of(Decoder(config, jnp.bfloat16)),
         "jamp.autocast(bfloat16)": jamp.autocast(float32, dtype=jnp.bfloat16),
+        "jamp.autocast(bfloat16, reduce_dtype=bfloat16)": jamp.autocast(
+            float32, dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16
+        ),
     }
 
 
@@ -104,6 +114,17 @@ def ring_error(partials, dtype) -> float:
     return float(np.linalg.norm(acc.astype(np.float64) - exact) / np.linalg.norm(exact))
 
 
+def step_time(step, *args, repeats: int) -> float:
+    """Median seconds of one call of the compiled ``step`` (after a first call)."""
+    jax.block_until_ready(step(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(step(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
 def partial_grads(loss, params, tokens, targets, parts: int):
     """The gradient of each of ``parts`` equal shares of the batch, scaled so that they sum to the batch's."""
     grad = jax.jit(jax.grad(loss))
@@ -129,9 +150,9 @@ def main() -> None:
     for loss_name, loss in losses(config).items():
         errors = {}
         for sharding_name, placed in shardings(params, mesh, n).items():
-            found = jamp.collectives(
-                jax.jit(jax.grad(loss)), placed, *(jax.device_put(x, data) for x in (tokens, targets))
-            )
+            step_args = (placed, *(jax.device_put(x[: ARGS.batch], data) for x in (tokens, targets)))
+            found = jamp.collectives(jax.jit(jax.grad(loss)), *step_args)
+            seconds = step_time(jax.jit(jax.grad(loss)), *step_args, repeats=ARGS.repeats)
             reduced = {r.dtype for r in found if r.kind in ("all-reduce", "reduce-scatter") and r.bytes > 8}
             dtype = jnp.bfloat16 if "bfloat16" in reduced else np.float32
             if not errors:
@@ -140,15 +161,15 @@ def main() -> None:
                     for parts in (n, ARGS.many)
                 }
             kinds = "; ".join(f"{r.kind} {r.dtype} x{r.count} ({r.bytes:,} B)" for r in found)
-            rows.append((sharding_name, loss_name, kinds, errors[n], errors[ARGS.many]))
+            rows.append((sharding_name, loss_name, kinds, errors[n], errors[ARGS.many], seconds))
     print()
     print(
         f"| sharding | program | collectives after partitioning (per device) | reduction error, {n} partials "
-        f"| {ARGS.many} partials |"
+        f"| {ARGS.many} partials | step (ms, this host) |"
     )
-    print("|---|---|---|---|---|")
-    for sharding_name, loss_name, kinds, few, many in rows:
-        print(f"| {sharding_name} | {loss_name} | {kinds} | {few:.1e} | {many:.1e} |")
+    print("|---|---|---|---|---|---|")
+    for sharding_name, loss_name, kinds, few, many, seconds in rows:
+        print(f"| {sharding_name} | {loss_name} | {kinds} | {few:.1e} | {many:.1e} | {1e3 * seconds:.1f} |")
 
 
 if __name__ == "__main__":

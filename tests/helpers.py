@@ -21,13 +21,22 @@ def eqns(closed_or_jaxpr):
             yield from eqns(sub)
 
 
+# jamp's matmuls whose wider operands' gradients come out in reduce_dtype, and their backward products of
+# compute-dtype operands into a wider result (jamp._jax_compat.wide_tangents): dot_generals
+ALSO = {"dot_general": ("wide_matmul", "wide_dot")}
+
+
 def dtypes_of(fun, *args, primitive="dot_general", **kwargs):
-    """[(input dtypes..., output dtype)] for every ``primitive`` in ``make_jaxpr(fun)(*args)``."""
+    """[(input dtypes..., output dtype)] for every ``primitive`` (a ``dot_general``: jamp's wide ones too) in
+    ``make_jaxpr(fun)(*args)``."""
     closed = jax.make_jaxpr(fun, **kwargs)(*args)
+    names = (primitive, *ALSO.get(primitive, ()))
     return [
-        tuple(str(v.aval.dtype) for v in e.invars) + (str(e.outvars[0].aval.dtype),)
+        # a wide_matmul's operands after the two it multiplies are the wider values they were cast from
+        tuple(str(v.aval.dtype) for v in e.invars[: 2 if e.primitive.name == "wide_matmul" else None])
+        + (str(e.outvars[0].aval.dtype),)
         for e in eqns(closed)
-        if e.primitive.name == primitive
+        if e.primitive.name in names
     ]
 
 

@@ -61,6 +61,11 @@ class AutocastSpec:
             raise TypeError(
                 f"static_argnums and static_argnames describe a function's arguments; a `with {self!r}:` block has none"
             )
+        if self._options["reduce_dtype"] is not None:
+            raise ValueError(
+                f"reduce_dtype is the dtype of the gradients a whole autocast function produces; a `with {self!r}:` "
+                "block cannot change it: give it to the function, jamp.autocast(fun, reduce_dtype=...)"
+            )
         if tracing_depth():
             scope = jax.named_scope(
                 marker_for(region_of(self._enabled, self._dtype, self._device_type, self._policy_arg))
@@ -96,6 +101,7 @@ def autocast(
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
     recompute: bool = True,
+    reduce_dtype: Any = None,
 ) -> Autocast | AutocastSpec:
     """Run ``fun`` with automatic mixed precision (torch's ``autocast``, as a function transformation).
 
@@ -128,6 +134,11 @@ def autocast(
             instead of keeping them (:mod:`jamp.casting.recompute`). The forward pass is unchanged; False
             keeps every value, as JAX does by default. It holds for the whole function: a nested autocast
             region follows the outer one.
+        reduce_dtype: the dtype the gradients of float32 matmul operands (parameters) are produced in by the
+            backward matmuls, and so cross devices in (the all-reduce of data parallelism, FSDP's reduce-scatter):
+            None takes the policy's, float32 unless the policy says otherwise, as torch AMP + DDP all-reduces
+            ``param.grad``; the compute dtype sends half the bytes, rounded at every hop. The backward matmuls
+            keep compute-dtype operands either way. It holds for the whole function.
 
     Returns:
         The transformed function (same signature as ``fun``), or an :class:`AutocastSpec` when ``fun`` is
@@ -148,6 +159,7 @@ def autocast(
         "static_argnums": static_argnums,
         "static_argnames": static_argnames,
         "recompute": recompute,
+        "reduce_dtype": reduce_dtype,
     }
     if fun is None:
         return AutocastSpec(options)

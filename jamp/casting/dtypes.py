@@ -58,3 +58,15 @@ def widest(dtypes) -> np.dtype:
     if np.dtype(np.float64) in dtypes:
         return np.dtype(np.float64)
     return FLOAT32
+
+
+def checked_reduce_dtype(value: Any, compute_dtype: Any = None) -> np.dtype:
+    """``reduce_dtype`` as a numpy dtype: float32 or the compute dtype (when given); a ValueError that names the
+    argument and what is allowed otherwise."""
+    dtype = parse_dtype(value, "reduce_dtype", ELIGIBLE_DTYPES)
+    if compute_dtype is not None and dtype not in (FLOAT32, np.dtype(compute_dtype)):
+        raise ValueError(
+            f"reduce_dtype={dtype.name} with the compute dtype {np.dtype(compute_dtype).name}: gradients are reduced "
+            f"in float32 (the default) or in the compute dtype ({np.dtype(compute_dtype).name})"
+        )
+    return dtype

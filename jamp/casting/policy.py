@@ -18,6 +18,7 @@ from jamp.casting.dtypes import (
     ELIGIBLE_DTYPES,
     FLOAT32,
     LOW_DTYPES,
+    checked_reduce_dtype,
     is_eligible,
     parse_dtype,
 )
@@ -87,6 +88,8 @@ class Policy:
         param_dtype: the dtype :meth:`cast_to_param` casts to (jmp's ``param_dtype``); float32 by default.
         fp8: whether eligible matmuls of ``lower`` ops run in float8 with current scaling
             (:mod:`jamp.casting.fp8`).
+        reduce_dtype: the dtype of the gradients of float32 matmul operands as the backward matmul produces
+            them, and so as they cross devices: float32 (as torch DDP reduces ``.grad``) or the compute dtype.
 
     Examples:
         >>> import jax.numpy as jnp, jamp
@@ -106,10 +109,12 @@ class Policy:
     output_dtype: np.dtype | None = None
     param_dtype: np.dtype = FLOAT32
     fp8: bool = False  # eligible matmuls of `lower` ops run in float8 (jamp.casting.fp8)
+    reduce_dtype: np.dtype = FLOAT32  # cotangents of wider matmul operands (jamp.casting.wide_cotangents)
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         set_("compute_dtype", parse_dtype(self.compute_dtype, "compute_dtype"))
+        set_("reduce_dtype", checked_reduce_dtype(self.reduce_dtype, self.compute_dtype))
         if self.output_dtype is not None:
             set_("output_dtype", parse_dtype(self.output_dtype, "output_dtype", ELIGIBLE_DTYPES))
         set_("param_dtype", parse_dtype(self.param_dtype, "param_dtype", ELIGIBLE_DTYPES))
@@ -135,6 +140,7 @@ class Policy:
                 self.output_dtype,
                 self.param_dtype,
                 self.fp8,
+                self.reduce_dtype,
             ),
         )
         set_("_hash", hash(self._key))
@@ -149,7 +155,8 @@ class Policy:
         return (
             f"Policy(device_type={self.device_type!r}, compute_dtype={self.compute_dtype.name}, "
             f"output_dtype={getattr(self.output_dtype, 'name', None)}, rules={len(self.rules)}"
-            f"{', fp8=True' if self.fp8 else ''})"
+            f"{', fp8=True' if self.fp8 else ''}"
+            f"{'' if self.reduce_dtype == FLOAT32 else f', reduce_dtype={self.reduce_dtype.name}'})"
         )
 
     def category(self, primitive_name: str) -> oplists.Category:
@@ -168,6 +175,10 @@ class Policy:
     def with_compute_dtype(self, dtype: Any) -> Policy:
         """The same policy with another compute dtype (float16 or bfloat16)."""
         return dataclasses.replace(self, compute_dtype=dtype)
+
+    def with_reduce_dtype(self, dtype: Any) -> Policy:
+        """The same policy, the gradients of float32 matmul operands in ``dtype`` (float32 or the compute dtype)."""
+        return dataclasses.replace(self, reduce_dtype=dtype)
 
     def with_fp8(self, enabled: bool = True) -> Policy:
         """Run eligible matmuls in float8 with current scaling (see the fp8 page of the docs)."""

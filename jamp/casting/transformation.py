@@ -23,7 +23,7 @@ from jamp._arguments import checked_bool, shown
 from jamp.casting import oplists, recompute, replay, signature
 from jamp.casting.adapters import nnx_nodes
 from jamp.casting.call import Context
-from jamp.casting.dtypes import is_eligible, parse_dtype
+from jamp.casting.dtypes import checked_reduce_dtype, is_eligible, parse_dtype
 from jamp.casting.interpreter import ToolHook, rewrite_jaxpr
 from jamp.casting.policy import Mode, Policy, builtin_policy, default_device_type, get_policy
 from jamp.casting.regions import Region, marker_for
@@ -120,10 +120,13 @@ class Autocast:
         static_argnums,
         static_argnames,
         recompute=True,
+        reduce_dtype=None,
     ):
         self.fun = fun
         options = checked_options(dtype, device_type, enabled, cache_enabled, policy, recompute)
         self._dtype, self._device_type, self.enabled, self.cache_enabled, self._policy_arg, self.recompute = options
+        # checked against the compute dtype now when it is given, else when the policy is resolved
+        self._reduce_dtype = None if reduce_dtype is None else checked_reduce_dtype(reduce_dtype, self._dtype)
         self.static_argnums = signature.static_argnums(static_argnums)
         self.static_argnames = signature.static_argnames(static_argnames)
         self._names = signature.ArgumentNames(fun)
@@ -135,7 +138,8 @@ class Autocast:
     @functools.cached_property
     def policy(self) -> Policy:
         """Resolved on first use (see :func:`_resolve_policy`)."""
-        return _resolve_policy(self._policy_arg, self._device_type, self._dtype)
+        policy = _resolve_policy(self._policy_arg, self._device_type, self._dtype)
+        return policy if self._reduce_dtype is None else policy.with_reduce_dtype(self._reduce_dtype)
 
     def __call__(self, *args, **kwargs):
         if tracing_depth():

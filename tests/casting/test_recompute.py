@@ -242,8 +242,9 @@ def test_checkpointed_groups_keep_their_own_source_lines():
     program's locations), not the lines of the first one seen."""
     x, w = jnp.ones((4, 8)), jnp.ones((8, 8)) / 8
     ops = _ops_in_checkpoints(lambda x, w: jnp.sum(_sin_layer(_tanh_layer(x, w), w) @ w), x, w)
-    assert {("_tanh_layer", "tanh"), ("_sin_layer", "tanh"), ("_tanh_layer", "dot_general")} <= ops, ops
-    assert ("_sin_layer", "dot_general") in ops, ops
+    # the matmuls of float32 operands: wide_matmul, whose gradients in them come out in float32
+    assert {("_tanh_layer", "tanh"), ("_sin_layer", "tanh"), ("_tanh_layer", "wide_matmul")} <= ops, ops
+    assert ("_sin_layer", "wide_matmul") in ops, ops
 
 
 def test_user_checkpoint_names_reach_the_backward_pass(capsys):

@@ -449,7 +449,13 @@ with warnings.catch_warnings(record=True) as caught:
     jamp.report_skipped_steps(state)
 reports = [str(w.message)[:58] for w in caught if w.category is jamp.SkippedStepsWarning]
 
+# What crosses processes in the gradient step: the floating reductions' dtypes, read after partitioning.
+grad_step = jax.jit(jax.grad(loss_fn))
+reduced = sorted({r.dtype for r in jamp.collectives(grad_step, params, x, y)
+                  if r.kind in ("all-reduce", "reduce-scatter") and r.dtype.startswith("float")})
+
 print(json.dumps({"process": jax.process_index(), "devices": jax.device_count(), "skipped": skipped,
+                  "reduced": reduced,
                   "scales": scales, "digests": [digest(i) for i in range(jax.local_device_count())],
                   "finite": bool(np.all(np.isfinite(np.asarray(params["w"].addressable_shards[0].data)))),
                   "episode_skips": int(np.asarray(state.consecutive_skips.addressable_shards[0].data)),
@@ -520,6 +526,12 @@ def workers(tmp_path_factory) -> list[dict]:
 
 def test_two_processes_see_four_devices(workers):
     assert [(r["process"], r["devices"], len(r["digests"])) for r in workers] == [(0, 4, 2), (1, 4, 2)]
+
+
+def test_the_gradients_cross_processes_in_float32(workers):
+    """The float16 autocast loss's float32 weights get float32 gradients out of their matmuls, so the reduction
+    across processes is float32, as torch AMP + DDP all-reduces ``param.grad`` (jamp.casting.wide_cotangents)."""
+    assert [r["reduced"] for r in workers] == [["float32"], ["float32"]]
 
 
 def test_every_process_skips_the_steps_where_one_process_overflowed(workers):

@@ -43,9 +43,9 @@ def test_module_as_the_function_takes_its_arrays_as_inputs_and_shares_one_cache(
     amp = jamp.autocast(model, dtype="bf16")
     closed, _ = amp.rewrite(X)
     assert not closed.consts and len(closed.jaxpr.invars) == len(_arrays(model)) + 1  # weights are inputs
-    assert [tuple(str(v.aval.dtype) for v in e.invars) for e in eqns(closed) if e.primitive.name == "dot_general"] == [
-        ("bfloat16", "bfloat16")
-    ] * 3
+    # the matmuls of float32 weights: wide_matmul, the two operands it multiplies in bfloat16
+    matmuls = [e for e in eqns(closed) if e.primitive.name == "wide_matmul"]
+    assert [tuple(str(v.aval.dtype) for v in e.invars[:2]) for e in matmuls] == [("bfloat16", "bfloat16")] * 3
     TRACES.clear()
     np.testing.assert_allclose(amp(X), ref, rtol=0.02, atol=0.02)
 

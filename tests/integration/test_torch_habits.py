@@ -76,7 +76,8 @@ def test_positional_device_type_shows_the_keyword_call(args, kwargs, call):
     amp = eval(call, {"jamp": jamp, "jnp": jnp, "fn": fn})
     w = jnp.ones((4, 4))
     dots = eqns(jax.make_jaxpr(amp)(w, w))  # recompute puts the matmul inside a checkpoint
-    assert any(e.primitive.name == "dot_general" and e.invars[0].aval.dtype != jnp.float32 for e in dots)
+    # the matmul, of float32 operands: a wide_matmul (its gradients in them come out in float32)
+    assert any(e.primitive.name == "wide_matmul" and e.invars[0].aval.dtype != jnp.float32 for e in dots)
 
 
 def test_non_string_non_callable_keeps_the_plain_message():
