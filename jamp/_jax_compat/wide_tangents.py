@@ -28,7 +28,14 @@ from jax._src.interpreters import ad, batching, mlir
 from jax._src.lax import lax as lax_internal
 from jax.extend import core as jcore
 
-_PRIMITIVE = jcore.Primitive("wide_tangent")
+_WIDE_TANGENT = jcore.Primitive("wide_tangent")
+
+
+def _tangent_sum(out, terms: list):
+    """A jvp rule's (primal, tangent) from the tangent's terms (none: a symbolic zero)."""
+    if not terms:
+        return out, ad.Zero.from_primal_value(out)
+    return out, functools.reduce(jax.lax.add, terms)
 
 
 def _operands(other, d, *, other_is_lhs: bool, compute_dtype):
@@ -118,19 +125,22 @@ def _jvp(primals, tangents, **params):
     if type(t_d) is not ad.Zero:
         terms.append(_bind(other, t_d, **params))
     if type(t_other) is not ad.Zero:  # bilinear: the other operand's tangent, in the compute dtype throughout
-        lhs, rhs = _operands(t_other, d, other_is_lhs=params["other_is_lhs"], compute_dtype=params["compute_dtype"])
-        terms.append(
-            jax.lax.dot_general(
-                lhs,
-                rhs,
-                params["dimension_numbers"],
-                params["precision"],
-                preferred_element_type=params["compute_dtype"],
-            )
-        )
-    if not terms:
-        return out, ad.Zero.from_primal_value(out)
-    return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+        terms.append(_impl(t_other, d, **params))
+    return _tangent_sum(out, terms)
+
+
+_WIDE_TANGENT.def_impl(_impl)
+_WIDE_TANGENT.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(_WIDE_TANGENT, mlir.lower_fun(_impl, multiple_results=False))
+ad.primitive_transposes[_WIDE_TANGENT] = _transpose
+ad.primitive_jvps[_WIDE_TANGENT] = _jvp
+batching.primitive_batchers[_WIDE_TANGENT] = _batch
+
+
+def _bind(other, d, **params):
+    """``wide_tangent(other, d)``: linear in ``d`` (see the module docstring)."""
+    other, d = core.auto_insert_reshard(other, d)
+    return _WIDE_TANGENT.bind(other, d, **params)
 
 
 # The transposed product: compute-dtype operands, a reduce_dtype result. One equation, chosen per platform when it
@@ -157,12 +167,8 @@ def _wide_dot_jvp(primals, tangents, **params):
     lhs, rhs = primals
     t_lhs, t_rhs = tangents
     out = _WIDE_DOT.bind(lhs, rhs, **params)
-    terms = [_WIDE_DOT.bind(t_lhs, rhs, **params)] if type(t_lhs) is not ad.Zero else []
-    if type(t_rhs) is not ad.Zero:
-        terms.append(_WIDE_DOT.bind(lhs, t_rhs, **params))
-    if not terms:
-        return out, ad.Zero.from_primal_value(out)
-    return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    pairs = ((t_lhs, rhs), (lhs, t_rhs))
+    return _tangent_sum(out, [_WIDE_DOT.bind(a, b, **params) for a, b in pairs if ad.Zero not in (type(a), type(b))])
 
 
 def _wide_dot_transpose(ct, lhs, rhs, *, preferred_element_type, **params):
@@ -238,9 +244,7 @@ def _wide_matmul_jvp(primals, tangents, *, positions, reduce_dtype, **dot):
             )
         else:
             terms.append(lax_internal.dot_general_p.bind(*((t, other) if i == 0 else (other, t)), **dot))
-    if not terms:
-        return out, ad.Zero.from_primal_value(out)
-    return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    return _tangent_sum(out, terms)
 
 
 def _wide_matmul_batch(args, dims, *, positions, dimension_numbers, **rest):
@@ -279,43 +283,6 @@ def _bind_matmul(lhs, rhs, *wide, **params):
 def wide_matmul(low: list, wide: list, *, params: dict, positions: tuple, reduce_dtype: Any) -> Any:
     """``dot_general(*low, **params)`` (compute-dtype operands, ``params`` the dot's, its
     ``preferred_element_type`` the compute dtype), differentiated with each operand at ``positions`` as given in
-    ``wide``: that operand's tangent in its place, a :func:`wide_tangent` whose transpose is its cotangent in
+    ``wide``: that operand's tangent in its place, a ``wide_tangent`` whose transpose is its cotangent in
     ``reduce_dtype``."""
     return _bind_matmul(*low, *wide, positions=tuple(positions), reduce_dtype=np.dtype(reduce_dtype), **params)
-
-
-_PRIMITIVE.def_impl(_impl)
-_PRIMITIVE.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(_PRIMITIVE, mlir.lower_fun(_impl, multiple_results=False))
-ad.primitive_transposes[_PRIMITIVE] = _transpose
-ad.primitive_jvps[_PRIMITIVE] = _jvp
-batching.primitive_batchers[_PRIMITIVE] = _batch
-
-
-def _bind(other, d, **params):
-    other, d = core.auto_insert_reshard(other, d)
-    return _PRIMITIVE.bind(other, d, **params)
-
-
-def wide_tangent(
-    other: Any,
-    d: Any,
-    *,
-    dimension_numbers: Any,
-    precision: Any,
-    other_is_lhs: bool,
-    compute_dtype: Any,
-    reduce_dtype: Any,
-) -> Any:
-    """``dot_general`` of ``other`` and ``d``, both cast to ``compute_dtype``, in that operand order when
-    ``other_is_lhs``; linear in ``d``, transposed into ``d``'s cotangent computed in ``reduce_dtype`` from
-    ``compute_dtype`` operands (on XLA:CPU, from those operands widened: see ``_transpose``)."""
-    return _bind(
-        other,
-        d,
-        dimension_numbers=dimension_numbers,
-        precision=precision,
-        other_is_lhs=other_is_lhs,
-        compute_dtype=np.dtype(compute_dtype),
-        reduce_dtype=np.dtype(reduce_dtype),
-    )

@@ -177,31 +177,31 @@ def _shared(group: _Group) -> _Group:
     return first[0]
 
 
-def _groups(jaxpr: jc.Jaxpr, matmul: list[bool]) -> tuple[list[list[int]], dict]:
+def _groups(jaxpr: jc.Jaxpr) -> tuple[list[list[int]], dict]:
     """The islands, then one group per matmul that reads a cast input (it casts the float32 input itself),
-    and the casts of inputs by their outputs (``matmul``: whether each equation is one)."""
+    and the casts of inputs by their outputs."""
     inputs = set(jaxpr.invars) | set(jaxpr.constvars)
     casts = {e.outvars[0]: e for e in jaxpr.eqns if _cast_of_input(e, inputs)}
     groups = islands(jaxpr, inputs)
     groups += [
         [i]
         for i, e in enumerate(jaxpr.eqns)
-        if matmul[i] and any(isinstance(v, jc.Var) and v in casts for v in e.invars)
+        if e.primitive.name in _MATMULS and any(isinstance(v, jc.Var) and v in casts for v in e.invars)
     ]
     return groups, casts
 
 
-def _group(jaxpr: jc.Jaxpr, members: list[int], casts: dict, readers: dict, node: tuple, matmul: list[bool]) -> _Group:
+def _group(jaxpr: jc.Jaxpr, members: list[int], casts: dict, readers: dict, node: tuple) -> _Group:
     """The call of ``members``: its inputs (a cast input read by a matmul: the float32 input, cast inside),
     and its outputs that others read."""
     eqns = [jaxpr.eqns[i] for i in members]
     defined = {v for e in eqns for v in e.outvars}
     pre, ins = [], []
-    for i, e in zip(members, eqns):
+    for e in eqns:
         for v in e.invars:
             if not isinstance(v, jc.Var) or v in defined:
                 continue
-            if v in casts and matmul[i]:
+            if v in casts and e.primitive.name in _MATMULS:
                 pre.append(casts[v])
                 v = casts[v].invars[0]
             ins.append(v)
@@ -242,19 +242,18 @@ def with_recompute(closed: jc.ClosedJaxpr) -> jc.ClosedJaxpr:
     jaxpr = closed.jaxpr
     if jaxpr.effects:
         return closed
-    matmul = [e.primitive.name in _MATMULS for e in jaxpr.eqns]
-    members, casts = _groups(jaxpr, matmul)
+    members, casts = _groups(jaxpr)
     if not members:
         return closed
     owner = {i: ("group", g) for g, group in enumerate(members) for i in group}
     node_of = [owner.get(i, ("eqn", i)) for i in range(len(jaxpr.eqns))]
     readers: dict = {}
-    read_by: dict = {}  # variable -> whether each equation that reads it is a matmul
+    read_by: dict = {}  # variable -> the primitives that read it
     for i, e in enumerate(jaxpr.eqns):
         for v in e.invars:
             if isinstance(v, jc.Var):
                 readers.setdefault(v, set()).add(node_of[i])
-                read_by.setdefault(v, set()).add(matmul[i])
+                read_by.setdefault(v, set()).add(e.primitive.name)
     final = {v for v in jaxpr.outvars if isinstance(v, jc.Var)}
     # a cast that only matmuls read: each of them casts again in its own group
     unread = {
@@ -262,9 +261,9 @@ def with_recompute(closed: jc.ClosedJaxpr) -> jc.ClosedJaxpr:
         for i, e in enumerate(jaxpr.eqns)
         if casts.get(e.outvars[0] if e.outvars else None) is e
         and e.outvars[0] not in final
-        and read_by.get(e.outvars[0], set()) <= {True}
+        and read_by.get(e.outvars[0], set()) <= set(_MATMULS)
     }
-    groups = [_group(jaxpr, m, casts, readers, ("group", g), matmul) for g, m in enumerate(members)]
+    groups = [_group(jaxpr, m, casts, readers, ("group", g)) for g, m in enumerate(members)]
     nodes = list(dict.fromkeys(node_of))
     reads = {nd: groups[nd[1]].ins if nd[0] == "group" else jaxpr.eqns[nd[1]].invars for nd in nodes}
     made = {v: node_of[i] for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
