@@ -19,12 +19,17 @@ would send; XLA:CPU widens bfloat16 all-reduces later), then the relative error 
 and the median time of one compiled step on this host (XLA:CPU widens bfloat16 all-reduces to float32, so a CPU
 sends the same bytes either way: the time says what the program costs here, not what a GPU's network would).
 
+A second table gives the floating all-gathers of the forward pass (the loss alone) under FSDP, for each program:
+placed by the partitioner, and FSDP by hand (every parameter replicated by a ``with_sharding_constraint`` before the
+model reads it), where autocast gathers the cast shard of a parameter that only matmuls read.
+
     python benchmarks/collectives.py [--devices 8] [--layers 2] [--d-model 128] [--repeats 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -63,12 +68,13 @@ class Config:
         self.d_mlp, self.vocab, self.tied = 4 * d_model, 512, False
 
 
-def losses(config: Config) -> dict:
-    """name -> loss(params, tokens, targets), all on the same float32 parameters."""
+def losses(config: Config, gather=lambda params: params) -> dict:
+    """name -> loss(params, tokens, targets), all on the same float32 parameters, which pass through ``gather``
+    first (FSDP by hand)."""
 
     def loss_of(model):
         def loss(params, tokens, targets):
-            logits = model.apply(params, tokens).astype(jnp.float32)
+            logits = model.apply(gather(params), tokens).astype(jnp.float32)
             return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
         return loss
@@ -162,6 +168,11 @@ def main() -> None:
                 }
             kinds = "; ".join(f"{r.kind} {r.dtype} x{r.count} ({r.bytes:,} B)" for r in found)
             rows.append((sharding_name, loss_name, kinds, errors[n], errors[ARGS.many], seconds))
+    print_table(rows, n)
+    print_gathers(config, params, mesh, n, [jax.device_put(x[: ARGS.batch], data) for x in (tokens, targets)])
+
+
+def print_table(rows: list, n: int) -> None:
     print()
     print(
         f"| sharding | program | collectives after partitioning (per device) | reduction error, {n} partials "
@@ -170,6 +181,21 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for sharding_name, loss_name, kinds, few, many, seconds in rows:
         print(f"| {sharding_name} | {loss_name} | {kinds} | {few:.1e} | {many:.1e} | {1e3 * seconds:.1f} |")
+
+
+def print_gathers(config: Config, params, mesh, n: int, batch: list) -> None:
+    """The floating all-gathers of the forward pass (the loss alone) under FSDP: the partitioner's, and FSDP by hand
+    (every parameter replicated by a ``with_sharding_constraint`` before the model reads it)."""
+    replicate = functools.partial(jax.tree.map, lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P())))
+    placed = shardings(params, mesh, n)["FSDP"]
+    print()
+    print("| FSDP | program | all-gathers of the forward pass (per device) |")
+    print("|---|---|---|")
+    for form, gather in (("by the partitioner", lambda p: p), ("by hand (a replicating constraint)", replicate)):
+        for loss_name, loss in losses(config, gather).items():
+            found = [r for r in jamp.collectives(jax.jit(loss), placed, *batch) if r.kind == "all-gather"]
+            kinds = "; ".join(f"{r.dtype} x{r.count} ({r.bytes:,} B)" for r in found if r.dtype != "int32")
+            print(f"| {form} | {loss_name} | {kinds} |")
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ def eqns(closed_or_jaxpr):
 
 
 # jamp's matmuls whose wider operands' gradients come out in reduce_dtype, and their backward products of
-# compute-dtype operands into a wider result (jamp._jax_compat.wide_tangents): dot_generals
-ALSO = {"dot_general": ("wide_matmul", "wide_dot")}
+# compute-dtype operands into a wider result (jamp._jax_compat.wide_tangents): dot_generals; its casts of a
+# jaxpr's inputs that stay on their shard (jamp._jax_compat.shard_casts): convert_element_types
+ALSO = {"dot_general": ("wide_matmul", "wide_dot"), "convert_element_type": ("cast_on_shard",)}
 
 
 def dtypes_of(fun, *args, primitive="dot_general", **kwargs):
@@ -41,7 +42,9 @@ def dtypes_of(fun, *args, primitive="dot_general", **kwargs):
 
 
 def count(fun, *args, primitive):
-    return sum(e.primitive.name == primitive for e in eqns(jax.make_jaxpr(fun)(*args)))
+    """How many ``primitive`` equations (jamp's own forms of it too, see ``ALSO``) ``make_jaxpr(fun)(*args)`` has."""
+    names = (primitive, *ALSO.get(primitive, ()))
+    return sum(e.primitive.name in names for e in eqns(jax.make_jaxpr(fun)(*args)))
 
 
 def run_subprocess(code: str, *, devices: int = 8, env: dict | None = None, timeout: int = 300) -> str:

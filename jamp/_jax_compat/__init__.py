@@ -28,6 +28,7 @@ from jamp._jax_compat.loops import *  # noqa: F403 (scan, while and shard_map pa
 from jamp._jax_compat.primitives import *  # noqa: F403 (the higher-order primitives and their parameters)
 from jamp._jax_compat.scopes import *  # noqa: F403 (source information, name stacks)
 from jamp._jax_compat.scopes import transposed
+from jamp._jax_compat.shard_casts import cast_on_shard  # noqa: F401 (re-exported)
 from jamp._jax_compat.wide_tangents import wide_matmul  # noqa: F401 (re-exported)
 
 try:  # jax >= 0.11: FlatTree moved to its own module, with a module-level flatten

@@ -6,6 +6,7 @@ rules also import the evaluator they recurse into (:mod:`jamp.casting.interprete
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -59,8 +60,11 @@ def is_float(x: Any) -> bool:
 class Env:
     """Values of one jaxpr evaluation plus the facts rules ask about them."""
 
-    def __init__(self, cache_enabled: bool):
+    def __init__(self, cache_enabled: bool, inputs: Sequence = ()):
         self.values: dict[Any, Any] = {}
+        self._inputs = {id(x): x for x in inputs}  # the jaxpr's inputs: parameters, a loop body's slices
+        self.matmul_only: frozenset = frozenset()  # outputs of gathers that only matmuls read (rules.gathers)
+        self._wide: dict[int, tuple[Any, Any]] = {}  # id(low) -> (low, the wider value it stands for)
         self.lowered: set[Any] = set()  # outputs of matmuls run in the compute dtype (or reshaped)
         self.origin_size: dict[Any, int] = {}  # vars that are broadcasts/reshapes of smaller arrays
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] | None = {} if cache_enabled else None
@@ -69,14 +73,31 @@ class Env:
     def cast(self, x: Any, dtype) -> Any:
         """``cast`` with torch's cast cache: a value cast to a dtype twice is cast once."""
         if x.dtype == dtype or self._casts is None:
-            return cast(x, dtype)
+            return self._convert(x, dtype)
         key = (id(x), np.dtype(dtype))
         hit = self._casts.get(key)
         if hit is None or hit[0] is not x:
-            hit = self._casts[key] = (x, cast(x, dtype))
+            hit = self._casts[key] = (x, self._convert(x, dtype))
             if x.dtype == FLOAT32:
                 self._rounded_from[id(hit[1])] = (hit[1], x)
         return hit[1]
+
+    def _convert(self, x: Any, dtype) -> Any:
+        """``cast``; an input of the jaxpr (a parameter) narrowed to a low dtype is cast on the shard it has, so
+        that the partitioner gathers it in that dtype (:func:`jamp._jax_compat.cast_on_shard`)."""
+        if is_low(dtype) and not is_low(x.dtype) and isinstance(x, jax.Array) and self._inputs.get(id(x)) is x:
+            return jc.cast_on_shard(x, dtype)
+        return cast(x, dtype)
+
+    def stands_for(self, low: Any, wide: Any) -> None:
+        """``low`` is ``wide`` in a lower dtype (a gather run on the compute dtype): a matmul reading ``low`` gets
+        its gradient in ``wide``'s dtype (:mod:`jamp.casting.rules.gathers`)."""
+        self._wide[id(low)] = (low, wide)
+
+    def wide_origin(self, x: Any) -> Any:
+        """The wider value ``x`` stands for, else ``x``."""
+        hit = self._wide.get(id(x))
+        return hit[1] if hit is not None and hit[0] is x else x
 
     def float32_of(self, x: Any) -> Any:
         """``x`` in float32 for ops that only move elements and round the result back to ``x``'s dtype

@@ -33,11 +33,13 @@ ToolHook = Callable[[Call, Callable, str], list]
 
 def evaluate(jaxpr: jc.Jaxpr, consts, args, ctx: Context, hook: ToolHook | None = None) -> list:
     """The outputs of ``jaxpr`` on ``args``, every equation bound under its rule (or handed to ``hook``)."""
-    from jamp.casting.rules import (
-        select_rule,  # the higher-order rules import this module
+    from jamp.casting.rules import (  # the higher-order rules import this module
+        gathers,
+        select_rule,
     )
 
-    env = Env(ctx.cache_enabled)
+    env = Env(ctx.cache_enabled, (*consts, *args))
+    env.matmul_only = gathers.read_only_by_matmuls(jaxpr, ctx, select_rule)
 
     def rebind(eqn, invals: list) -> list:
         comps = regions.components(jc.name_stack_str(eqn))

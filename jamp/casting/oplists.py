@@ -229,7 +229,7 @@ OP_TABLE: tuple[OpRow, ...] = (
     ),
     _row(
         "sharding_constraint optimization_barrier device_put name pvary psum pmax pmin "
-        "all_gather all_to_all ppermute reduce_scatter psum_invariant",
+        "all_gather all_gather_invariant all_to_all ppermute reduce_scatter psum_invariant reshard",
         _C.PASSTHROUGH,
         _C.PASSTHROUGH,
         "all_reduce, all_gather, ... (torch.distributed)",

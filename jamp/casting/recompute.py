@@ -31,7 +31,7 @@ from jamp.casting.dtypes import FLOAT32, is_low
 # First-order primitives cheap to run again in the backward pass: elementwise ops, reductions, broadcasts.
 CHEAP = frozenset(
     """
-    abs add and atan2 broadcast_in_dim cbrt ceil clamp convert_element_type copy copy_p cos cosh div eq erf
+    abs add and atan2 broadcast_in_dim cast_on_shard cbrt ceil clamp convert_element_type copy copy_p cos cosh div eq erf
     erf_inv erfc exp exp2 expand_dims expm1 floor ge gt integer_pow iota is_finite le log log1p logistic lt max
     min mul ne neg not or pow reduce_and reduce_max reduce_min reduce_or reduce_precision reduce_prod reduce_sum
     rem reshape round rsqrt select_n sign sin sinh sqrt square squeeze stop_gradient sub tan tanh xor
@@ -40,7 +40,7 @@ CHEAP = frozenset(
 # Cheap primitives whose derivative reads no value of the forward pass: an island of these alone saves nothing.
 _LINEAR = frozenset(
     """
-    add and broadcast_in_dim convert_element_type copy copy_p eq expand_dims ge gt iota le lt ne neg not or
+    add and broadcast_in_dim cast_on_shard convert_element_type copy copy_p eq expand_dims ge gt iota le lt ne neg not or
     reduce_precision reduce_sum reshape squeeze stop_gradient sub xor
     """.split()
 )
@@ -79,7 +79,7 @@ def _cast_of_input(eqn, inputs: set) -> bool:
     """A float32 input of the jaxpr cast to a low dtype (a parameter cast for a matmul)."""
     x = eqn.invars[0] if eqn.invars else None
     return (
-        eqn.primitive.name == "convert_element_type"
+        eqn.primitive.name in ("convert_element_type", "cast_on_shard")
         and isinstance(x, jc.Var)
         and x in inputs
         and x.aval.dtype == FLOAT32

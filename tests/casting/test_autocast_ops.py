@@ -310,7 +310,7 @@ def test_cast_cache_casts_a_weight_once():
     uncached = count(amp(f, cache_enabled=False), W, X, primitive="convert_element_type")
     assert cached < uncached
     w_casts = lambda fn: sum(
-        e.primitive.name == "convert_element_type" and e.invars[0] is closed.jaxpr.invars[0]
+        e.primitive.name in ("convert_element_type", "cast_on_shard") and e.invars[0] is closed.jaxpr.invars[0]
         for closed in [jax.make_jaxpr(fn)(W, X)]
         for e in closed.jaxpr.eqns
     )

@@ -23,11 +23,11 @@ def mlp(p, x):
     return jnp.sum(jax.nn.gelu(x @ p["w1"]) @ p["w2"])
 
 
-def reductions(fn, *args):
-    # the floating all-reduces and reduce-scatters of fn's program: {dtype: bytes}
+def reductions(fn, *args, kinds=("all-reduce", "reduce-scatter")):
+    # the floating collectives of these kinds in fn's program: {dtype: bytes}
     found = {}
     for r in jamp.collectives(fn, *args):
-        if r.kind in ("all-reduce", "reduce-scatter") and r.dtype.startswith(("float", "bfloat")):
+        if r.kind in kinds and r.dtype.startswith(("float", "bfloat")):
             found[r.dtype] = found.get(r.dtype, 0) + r.bytes
     return found
 
@@ -54,6 +54,12 @@ for name, fn in programs.items():
         placed = jax.tree.map(jax.device_put, params, shardings)
         step = jax.jit(jax.grad(fn), out_shardings=shardings)
         out[f"jit {layout}/{name}"] = reductions(step, placed, jax.device_put(x, NamedSharding(m, batch)))
+
+    # the parameters' gathers (the forward pass's): FSDP, and FSDP x model (each parameter sharded on both axes)
+    for layout, (m, specs, batch) in {"fsdp": layouts["fsdp"], "fsdp x model": (mesh2, {"w1": P("data", "model"), "w2": P("model", "data")}, P("data"))}.items():
+        placed = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(m, s)), params, specs)
+        gathers = reductions(jax.jit(fn), placed, jax.device_put(x, NamedSharding(m, batch)), kinds=("all-gather",))
+        out[f"jit {layout}/{name}/gathers"] = gathers
 
     # explicit sharding (the arrays' types carry it): data parallel
     explicit_mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -120,6 +126,15 @@ def test_a_gradient_reduced_after_the_backward_pass_is_float32_either_way(reduce
     """shard_map's and pmap's reductions come after each device's backward pass, on the float32 gradients; autocast
     around a function that holds the shard_map reduces them there too."""
     assert set(reduced[f"{form}/default"]) == set(reduced[f"{form}/bfloat16"]) == {"float32"}
+
+
+@pytest.mark.multidevice
+@pytest.mark.parametrize("form", ["jit fsdp", "jit fsdp x model"])
+def test_the_partitioner_gathers_the_parameters_in_the_compute_dtype(reduced, form):
+    """Each parameter is cast on its shard (``jamp._jax_compat.cast_on_shard``): the forward pass gathers bfloat16,
+    half the float32 program's bytes (FSDP by hand: tests/casting/test_parameter_gathers.py)."""
+    gathered = reduced[f"{form}/float32/gathers"]["float32"]
+    assert reduced[f"{form}/default/gathers"] == reduced[f"{form}/bfloat16/gathers"] == {"bfloat16": gathered // 2}
 
 
 def _dots(lowered) -> list[str]:

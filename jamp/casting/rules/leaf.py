@@ -35,20 +35,21 @@ def lower(call: Call, output_dtype=None):
         call.eqn.primitive.name in MATMUL_LIKE and not all(is_float(x) for x in call.invals)
     ):
         return default(call)
-    if output_dtype is None and _widens_cotangents(call):
+    given = [call.env.wide_origin(x) for x in call.invals]  # a gather run on the compute dtype: what it gathered
+    if output_dtype is None and _widens_cotangents(call, given):
         call.bound = [call.env.cast(x, dtype) for x in call.invals]  # what jamp.explain shows
-        return wide_cotangents.dot_general(call.bound, call.invals, call.params, dtype, call.ctx.policy.reduce_dtype)
+        return wide_cotangents.dot_general(call.bound, given, call.params, dtype, call.ctx.policy.reduce_dtype)
     invals = [call.env.cast(x, dtype) if is_float(x) else x for x in call.invals]
     return call.bind(invals, **_set_preferred(call, output_dtype or dtype))
 
 
-def _widens_cotangents(call: Call) -> bool:
-    """A ``dot_general`` with an operand wider than the compute dtype, whose gradient the policy's
+def _widens_cotangents(call: Call, given: list) -> bool:
+    """A ``dot_general`` with an operand (``given``) wider than the compute dtype, whose gradient the policy's
     ``reduce_dtype`` asks for in a wider dtype (:mod:`jamp.casting.wide_cotangents`)."""
     if call.eqn.primitive.name != "dot_general" or not wide_cotangents.applies(call.params):
         return False
     dtype, reduce_dtype = call.ctx.compute_dtype, call.ctx.policy.reduce_dtype
-    return any(wide_cotangents.widens(x.dtype, dtype, reduce_dtype) for x in call.invals)
+    return any(wide_cotangents.widens(x.dtype, dtype, reduce_dtype) for x in given)
 
 
 def lower_float32_output(call: Call):
