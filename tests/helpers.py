@@ -6,6 +6,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import jax
@@ -45,6 +46,31 @@ def count(fun, *args, primitive):
     """How many ``primitive`` equations (jamp's own forms of it too, see ``ALSO``) ``make_jaxpr(fun)(*args)`` has."""
     names = (primitive, *ALSO.get(primitive, ()))
     return sum(e.primitive.name in names for e in eqns(jax.make_jaxpr(fun)(*args)))
+
+
+def once_per_run(key: str, compute) -> str:
+    """``compute()`` (a string), computed once per test run: pytest-xdist sets a module-scoped fixture up on every
+    worker that runs one of its tests, so under it the first worker to ask computes and the others read the result
+    (a file per run, behind a lock). Without xdist, or without ``fcntl``, it is computed here."""
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        fcntl = None
+    if uid is None or fcntl is None:
+        return compute()
+    folder = os.path.join(tempfile.gettempdir(), f"jamp-tests-{uid}")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, key)
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(path):
+            result = compute()
+            with open(f"{path}.partial", "w") as f:
+                f.write(result)
+            os.replace(f"{path}.partial", path)
+        with open(path) as f:
+            return f.read()
 
 
 def run_subprocess(code: str, *, devices: int = 8, env: dict | None = None, timeout: int = 300) -> str:

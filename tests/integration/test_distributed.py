@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import run_subprocess
+from helpers import once_per_run, run_subprocess
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.multidevice
@@ -258,7 +258,8 @@ print(json.dumps(report))
 
 @pytest.fixture(scope="module")
 def eight():
-    return json.loads(run_subprocess(EIGHT_DEVICES, devices=8).strip().splitlines()[-1])
+    out = once_per_run("distributed_eight", lambda: run_subprocess(EIGHT_DEVICES, devices=8))
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def section(eight: dict, key: str) -> dict:
@@ -517,11 +518,14 @@ def _failure(procs, logs) -> str:
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory) -> list[dict]:
-    script = tmp_path_factory.mktemp("multiprocess") / "worker.py"
-    script.write_text(textwrap.dedent(WORKER))
-    coordinator = f"127.0.0.1:{free_port()}"
-    outs = run_group([[sys.executable, str(script), coordinator, "2", str(i)] for i in range(2)], timeout=90)
-    return sorted((json.loads(out.strip().splitlines()[-1]) for out in outs), key=lambda r: r["process"])
+    def run() -> str:
+        script = tmp_path_factory.mktemp("multiprocess") / "worker.py"
+        script.write_text(textwrap.dedent(WORKER))
+        coordinator = f"127.0.0.1:{free_port()}"
+        outs = run_group([[sys.executable, str(script), coordinator, "2", str(i)] for i in range(2)], timeout=90)
+        return json.dumps([json.loads(out.strip().splitlines()[-1]) for out in outs])
+
+    return sorted(json.loads(once_per_run("distributed_workers", run)), key=lambda r: r["process"])
 
 
 def test_two_processes_see_four_devices(workers):

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from helpers import run_subprocess
+from helpers import once_per_run, run_subprocess
 
 import jamp
 
@@ -295,7 +295,9 @@ DEVICES = """
 
 @pytest.fixture(scope="module")
 def devices():
-    return json.loads(run_subprocess(DEVICES, devices=8).strip().splitlines()[-1])
+    return json.loads(
+        once_per_run("low_precision_compose", lambda: run_subprocess(DEVICES, devices=8)).strip().splitlines()[-1]
+    )
 
 
 @pytest.mark.parametrize("name", TRANSFORMS)

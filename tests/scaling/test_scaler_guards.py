@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import run_subprocess
+from helpers import once_per_run, run_subprocess
 
 import jamp
 from jamp import _jax_compat
@@ -107,7 +107,8 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def multidevice():
-    return json.loads(run_subprocess(MULTIDEVICE, devices=4).strip().splitlines()[-1])
+    out = once_per_run("scaler_guards", lambda: run_subprocess(MULTIDEVICE, devices=4))
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.multidevice

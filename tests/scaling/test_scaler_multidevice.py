@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import run_subprocess
+from helpers import once_per_run, run_subprocess
 
 CHILD = """
     import json
@@ -61,7 +61,9 @@ CHILD = """
 
 @pytest.fixture(scope="module")
 def child():
-    return json.loads(run_subprocess(CHILD, devices=8).strip().splitlines()[-1])
+    return json.loads(
+        once_per_run("scaler_multidevice_child", lambda: run_subprocess(CHILD, devices=8)).strip().splitlines()[-1]
+    )
 
 
 def test_eight_devices(child):
@@ -181,7 +183,9 @@ FORM_NAMES = [
 
 @pytest.fixture(scope="module")
 def forms():
-    return json.loads(run_subprocess(FORMS, devices=8).strip().splitlines()[-1])
+    return json.loads(
+        once_per_run("scaler_multidevice_forms", lambda: run_subprocess(FORMS, devices=8)).strip().splitlines()[-1]
+    )
 
 
 @pytest.mark.parametrize("form", FORM_NAMES)
