@@ -63,7 +63,7 @@ class Env:
     def __init__(self, cache_enabled: bool, inputs: Sequence = ()):
         self.values: dict[Any, Any] = {}
         self._inputs = {id(x): x for x in inputs}  # the jaxpr's inputs: parameters, a loop body's slices
-        self.matmul_only: frozenset = frozenset()  # outputs of gathers that only matmuls read (rules.gathers)
+        self.gathered_for_matmuls: frozenset = frozenset()  # gathers' outputs only matmuls read (rules.gathers)
         self._wide: dict[int, tuple[Any, Any]] = {}  # id(low) -> (low, the wider value it stands for)
         self.lowered: set[Any] = set()  # outputs of matmuls run in the compute dtype (or reshaped)
         self.origin_size: dict[Any, int] = {}  # vars that are broadcasts/reshapes of smaller arrays

@@ -39,7 +39,7 @@ def evaluate(jaxpr: jc.Jaxpr, consts, args, ctx: Context, hook: ToolHook | None 
     )
 
     env = Env(ctx.cache_enabled, (*consts, *args))
-    env.matmul_only = gathers.read_only_by_matmuls(jaxpr, ctx, select_rule)
+    env.gathered_for_matmuls = gathers.read_only_by_matmuls(jaxpr, ctx, select_rule)
 
     def rebind(eqn, invals: list) -> list:
         comps = regions.components(jc.name_stack_str(eqn))

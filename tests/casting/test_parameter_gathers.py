@@ -147,3 +147,10 @@ def test_a_gathered_value_something_else_reads_is_gathered_as_it_is():
     also_summed = jamp.autocast(lambda w, x: jnp.sum(x @ (g := replicate(w))) + jnp.sum(g), dtype=jnp.bfloat16)
     assert _constraint_operands(only_matmuls, w, x) == ["bfloat16"]
     assert _constraint_operands(also_summed, w, x) == ["float32"]
+
+    def in_a_float16_region(w, x):
+        g = replicate(w)
+        with jamp.autocast(dtype=jnp.float16):  # the matmul's compute dtype is not the gather's
+            return jnp.sum(x @ g)
+
+    assert _constraint_operands(jamp.autocast(in_a_float16_region, dtype=jnp.bfloat16), w, x) == ["float32"]

@@ -32,10 +32,10 @@ _LOWERED = (LeafRule.LOWER, LeafRule.LOWER_FLOAT32_OUTPUT)
 
 def read_only_by_matmuls(jaxpr: jc.Jaxpr, ctx: Context, select_rule) -> frozenset:
     """The outputs of ``jaxpr``'s gathers that only matmuls read (directly or through ``REARRANGING`` ops), each run
-    in the compute dtype, whose gradient in that operand comes out in ``reduce_dtype`` (a ``dot_general``; a
-    convolution only where ``reduce_dtype`` is the compute dtype)."""
-    gathered = [e.outvars[0] for e in jaxpr.eqns if e.primitive.name in GATHERS and len(e.outvars) == 1]
-    if not gathered or ctx.policy.fp8:  # a float8 matmul casts its own operands, from float32
+    in the gather's compute dtype, whose gradient in that operand comes out in ``reduce_dtype`` (a ``dot_general``;
+    a convolution only where ``reduce_dtype`` is the compute dtype)."""
+    gathers = [e for e in jaxpr.eqns if e.primitive.name in GATHERS and len(e.outvars) == 1]
+    if not gathers or ctx.policy.fp8:  # a float8 matmul casts its own operands, from float32
         return frozenset()
     readers: dict = {}
     for eqn in jaxpr.eqns:
@@ -44,39 +44,43 @@ def read_only_by_matmuls(jaxpr: jc.Jaxpr, ctx: Context, select_rule) -> frozense
                 readers.setdefault(v, []).append(eqn)
     outputs = {v for v in jaxpr.outvars if isinstance(v, jc.Var)}
 
-    def only_matmuls(v) -> bool:
+    def only_matmuls(v, dtype) -> bool:
         eqns = readers.get(v)
         return (
             bool(eqns)
             and v not in outputs
             and all(
-                _lowered_matmul(e, ctx, select_rule) or (e.primitive.name in REARRANGING and only_matmuls(e.outvars[0]))
+                _lowered_matmul(e, _context(ctx, e), select_rule, dtype)
+                or (e.primitive.name in REARRANGING and only_matmuls(e.outvars[0], dtype))
                 for e in eqns
             )
         )
 
-    return frozenset(v for v in gathered if only_matmuls(v))
+    return frozenset(g.outvars[0] for g in gathers if only_matmuls(g.outvars[0], _context(ctx, g).compute_dtype))
 
 
-def _lowered_matmul(eqn, ctx: Context, select_rule) -> bool:
+def _context(ctx: Context, eqn) -> Context:
+    return ctx.descend(regions.components(jc.name_stack_str(eqn)))
+
+
+def _lowered_matmul(eqn, eqn_ctx: Context, select_rule, dtype) -> bool:
     name = eqn.primitive.name
-    if name not in ("dot_general", "conv_general_dilated"):
+    if name not in ("dot_general", "conv_general_dilated") or eqn_ctx.compute_dtype != dtype:
         return False
     if not all(np.issubdtype(v.aval.dtype, np.floating) and is_eligible(v.aval.dtype) for v in eqn.invars):
         return False  # the lower rule falls back to the recorded dtypes
-    eqn_ctx = ctx.descend(regions.components(jc.name_stack_str(eqn)))
     if select_rule(eqn, eqn_ctx)[1] not in _LOWERED:
         return False
     if name == "dot_general":
         return wide_cotangents.applies(eqn.params)
-    return np.dtype(eqn_ctx.policy.reduce_dtype).itemsize <= eqn_ctx.compute_dtype.itemsize
+    return np.dtype(eqn_ctx.policy.reduce_dtype).itemsize <= dtype.itemsize
 
 
 def gather(call: Call):
     """A gather whose output only matmuls read (``read_only_by_matmuls``) runs on the compute dtype; any other, on
     what arrives."""
     x, dtype = call.invals[0], call.ctx.compute_dtype
-    if call.eqn.outvars[0] not in call.env.matmul_only or np.dtype(x.dtype).itemsize <= dtype.itemsize:
+    if call.eqn.outvars[0] not in call.env.gathered_for_matmuls or np.dtype(x.dtype).itemsize <= dtype.itemsize:
         return call.bind()
     wide = None
     if wide_cotangents.widens(x.dtype, dtype, call.ctx.policy.reduce_dtype):
