@@ -194,7 +194,8 @@ def print_gathers(config: Config, params, mesh, n: int, batch: list) -> None:
     for form, gather in (("by the partitioner", lambda p: p), ("by hand (a replicating constraint)", replicate)):
         for loss_name, loss in losses(config, gather).items():
             found = [r for r in jamp.collectives(jax.jit(loss), placed, *batch) if r.kind == "all-gather"]
-            kinds = "; ".join(f"{r.dtype} x{r.count} ({r.bytes:,} B)" for r in found if r.dtype != "int32")
+            floats = [r for r in found if r.dtype.startswith(("float", "bfloat"))]
+            kinds = "; ".join(f"{r.dtype} x{r.count} ({r.bytes:,} B)" for r in floats)
             print(f"| {form} | {loss_name} | {kinds} |")
 
 

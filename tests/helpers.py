@@ -64,11 +64,9 @@ def once_per_run(key: str, compute) -> str:
     path = os.path.join(folder, key)
     with open(f"{path}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(path):
-            result = compute()
-            with open(f"{path}.partial", "w") as f:
-                f.write(result)
-            os.replace(f"{path}.partial", path)
+        if not os.path.exists(path):  # the others wait on the lock, so they never read a file half written
+            with open(path, "w") as f:
+                f.write(compute())
         with open(path) as f:
             return f.read()
 

@@ -45,9 +45,11 @@ def _transpose(ct, x, *, new_dtype):
 def _partitioned(ctx) -> bool:
     """Whether Shardy partitions this program over more than one device (jit, shard_map's auto axes)."""
     axis_context = ctx.module_context.axis_context
-    if not config.use_shardy_partitioner.value or not isinstance(axis_context, (ShardingContext, SPMDAxisContext)):
+    if not config.use_shardy_partitioner.value:
         return False
-    return getattr(axis_context, "num_devices", 2) > 1
+    if isinstance(axis_context, ShardingContext):  # jit
+        return axis_context.num_devices > 1
+    return isinstance(axis_context, SPMDAxisContext)  # inside a shard_map
 
 
 def _lower(ctx, x, *, new_dtype):
